@@ -1,0 +1,1 @@
+"""The radixserve inference engine: model forward over a pooled KV cache, RadixAttention, continuous batching."""

@@ -1,0 +1,165 @@
+"""Typed messages between the engine's stages: HTTP server -> scheduler -> HTTP server.
+
+Data flows one way: the server tokenizes and validates a request into a ``GenerateRequest``; the scheduler thread runs
+it and pushes ``ReqOutput`` deltas back; the server turns those into native or OpenAI responses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class InvalidRequestError(ValueError):
+    """A client error found while validating a request; the server answers 400 with ``message`` (and ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None, status_code: int = 400):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status_code = status_code
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (SGLang's names; see shared/CONTRACTS.md "Native request").
+
+    Units: ``max_new_tokens`` in tokens; probabilities in [0, 1]. ``top_k`` -1 (or 0) means disabled.
+    """
+
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        """Build from a JSON dict; unknown keys raise ``InvalidRequestError``."""
+        d = dict(d or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling_params: {', '.join(unknown)}", "sampling_params")
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        for k in ("stop", "stop_token_ids"):
+            if d.get(k) is None:
+                d.pop(k, None)
+        try:
+            return cls(**d)
+        except TypeError as e:  # pragma: no cover - dataclass arg errors
+            raise InvalidRequestError(str(e), "sampling_params") from e
+
+    def validate(self, vocab_size: int) -> None:
+        """Check ranges; raises ``InvalidRequestError`` naming the parameter."""
+
+        def bad(name: str, why: str) -> None:
+            raise InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", name)
+
+        def is_num(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not is_num(getattr(self, name)):
+                bad(name, "must be a number")
+        if self.max_new_tokens is not None and (
+            not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0
+        ):
+            bad("max_new_tokens", "must be an integer >= 0")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", "must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+            bad("top_k", "must be -1 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad("repetition_penalty", "must be in (0, 2]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", "must be an integer")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 128:
+            bad("n", "must be an integer in [1, 128]")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > 16:
+            bad("stop", "may hold at most 16 strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        kinds = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if kinds:
+            # Constrained decoding (xgrammar) is a later issue; never generate unconstrained silently.
+            raise InvalidRequestError(f"{kinds[0]} is not supported yet (constrained decoding)", kinds[0])
+
+
+@dataclass
+class GenerateRequest:
+    """One tokenized generation request handed to the scheduler.
+
+    ``input_ids``: prompt token ids ``[prompt_len]``. ``sampling_params.n`` samples share one prefill of the prompt.
+    ``sampling_params.max_new_tokens`` is resolved (never None) by the server before submission.
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = False
+    arrival_time: float = 0.0  # time.monotonic() when the server received it (seconds)
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one generated token under the model's raw distribution, with the top alternatives (sorted, desc)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class ReqOutput:
+    """A delta for one sample of one request, pushed by the scheduler after a step.
+
+    ``text`` is the newly stable text (never half a UTF-8 character, stop strings held back/trimmed); ``token_ids``
+    and ``logprobs`` are the tokens generated since the previous delta. ``finish_reason`` is set on the last delta:
+    ``{"type": "stop"|"length"|"abort", "matched": str|int|None}`` (abort may carry ``"message"``).
+    """
+
+    rid: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

