@@ -1,0 +1,211 @@
+"""The engine facade the HTTP server talks to: tokenizer + model runner + scheduler thread + metrics.
+
+The scheduler runs in its own thread; ``generate`` bridges its per-step ``ReqOutput`` deltas into the asyncio event
+loop of the server, so HTTP handlers never run a forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from radixserve.engine.config import EngineArgs
+from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, SamplingParams
+from radixserve.engine.metrics import EngineMetrics
+from radixserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+# /health_generate succeeds without a new generation if the scheduler produced output this recently (seconds).
+RECENT_OUTPUT_S = 5.0
+
+
+def load_tokenizer(path: str) -> Any:
+    """Load a Hugging Face tokenizer from a model directory or a ``.gguf`` file (no hub access)."""
+    from transformers import AutoTokenizer
+
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def default_served_model_name(model_path: str) -> str:
+    """The model directory's (or GGUF file's) name, lower-cased: ``models/SmolLM2-135M`` -> ``smollm2-135m``."""
+    base = os.path.basename(os.path.normpath(model_path))
+    return base.removesuffix(".gguf").lower()
+
+
+class Engine:
+    """One engine: loads the model and tokenizer, runs the scheduler thread, streams results to asyncio callers.
+
+    Raises FileNotFoundError / ValueError from ``__init__`` when the model cannot be loaded.
+    """
+
+    def __init__(self, args: EngineArgs):
+        from radixserve.engine.model.runner import ModelRunner
+
+        self.args = args
+        self.served_model_name = args.served_model_name or default_served_model_name(args.model_path)
+        t0 = time.monotonic()
+        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        self.runner = ModelRunner(
+            args.model_path,
+            dtype=args.dtype,
+            device=args.device,
+            attention_backend=args.attention_backend,
+            max_total_tokens=args.max_total_tokens,
+            context_length=args.context_length,
+            num_threads=args.num_threads,
+        )
+        cfg = self.runner.model_config
+        self.context_length = min(args.context_length or cfg.context_length, self.runner.max_total_tokens)
+        self.vocab_size = cfg.vocab_size
+        eos = set(getattr(cfg, "eos_token_ids", None) or [])
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        self.metrics = EngineMetrics(self.served_model_name)
+        self.scheduler = Scheduler(
+            self.runner,
+            self.tokenizer,
+            SchedulerConfig(
+                max_running_requests=args.max_running_requests,
+                max_prefill_tokens=args.max_prefill_tokens,
+                chunked_prefill_size=args.chunked_prefill_size,
+                schedule_policy=args.schedule_policy,
+                disable_radix_cache=args.disable_radix_cache,
+                context_length=self.context_length,
+                stream_interval=args.stream_interval,
+            ),
+            self.eos_token_ids,
+            self._emit,
+            self.metrics,
+        )
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = False
+        self._shutting_down = False
+        logger.info("engine loaded %s in %.1f s (dtype %s, KV pool %d tokens, context %d)", args.model_path,
+                    time.monotonic() - t0, self.runner.dtype, self.runner.max_total_tokens, self.context_length)
+
+    # ----------------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Warm up (one forward) and start the scheduler thread; ``is_healthy`` is True afterwards."""
+        if self.args.warmup:
+            self.runner.warmup()
+        self.scheduler.start()
+        self._started = True
+
+    def shutdown(self) -> None:
+        """Stop the scheduler; every request in flight finishes with an abort."""
+        self._shutting_down = True
+        self.scheduler.stop()
+
+    def is_healthy(self) -> bool:
+        return self._started and not self._shutting_down and self.scheduler.alive
+
+    def num_queued(self) -> int:
+        """Requests submitted but not yet running (any thread; approximate)."""
+        return len(self.scheduler.waiting) + self.scheduler.inbox.qsize()
+
+    # ----------------------------------------------------------------------------------------------------------
+    def _emit(self, outputs: list[ReqOutput]) -> None:
+        """Scheduler thread -> event loop, once per step."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._dispatch, outputs)
+        except RuntimeError:  # loop closed between the check and the call
+            pass
+
+    def _dispatch(self, outputs: list[ReqOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.rid)
+            if q is not None:
+                q.put_nowait(out)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[ReqOutput]:
+        """Run ``req``; yield ``ReqOutput`` deltas of all ``n`` samples until each has finished.
+
+        Raises InvalidRequestError: 503 when not serving, 429 when the queue is full, 400 for a duplicate rid.
+        Closing the iterator early (client disconnect, cancellation) aborts the request and frees its KV.
+        """
+        if not self.is_healthy():
+            raise InvalidRequestError("engine is not ready or is shutting down", status_code=503)
+        if self.num_queued() >= self.args.max_queued_requests:
+            raise InvalidRequestError(
+                f"too many queued requests (max {self.args.max_queued_requests}); retry later", status_code=429)
+        if req.sampling_params.n > self.args.max_running_requests:
+            raise InvalidRequestError(
+                f"n={req.sampling_params.n} exceeds max running requests {self.args.max_running_requests}", "n")
+        if req.rid in self._streams:
+            raise InvalidRequestError(f"request id {req.rid!r} is already in flight", "rid")
+        if not req.arrival_time:
+            req.arrival_time = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[req.rid] = q
+        remaining = req.sampling_params.n
+        self.scheduler.submit(req)
+        try:
+            while remaining:
+                out = await q.get()
+                if out.finished:
+                    remaining -= 1
+                yield out
+        finally:
+            self._streams.pop(req.rid, None)
+            if remaining:
+                self.scheduler.abort(req.rid)
+
+    def abort(self, rid: str) -> None:
+        """Abort request ``rid`` (all its samples)."""
+        self.scheduler.abort(rid)
+
+    async def flush_cache(self) -> bool:
+        """Drop every cached prefix; False while requests are in flight."""
+        return await asyncio.to_thread(self.scheduler.call, self.scheduler.flush_cache)
+
+    async def health_generate(self, timeout_s: float = 20.0) -> bool:
+        """Deep health check: recent scheduler output, or a one-token generation within ``timeout_s`` seconds."""
+        if not self.is_healthy():
+            return False
+        if time.monotonic() - self.scheduler.last_output_time < RECENT_OUTPUT_S:
+            return True
+        ids = self.tokenizer.encode("Hi", add_special_tokens=False) or [0]
+        req = GenerateRequest(f"health-{uuid.uuid4().hex}", ids, SamplingParams(max_new_tokens=1, temperature=0.0))
+
+        async def run() -> bool:
+            async for out in self.generate(req):
+                if out.finished:
+                    return out.finish_reason["type"] != "abort"
+            return False
+
+        try:
+            return await asyncio.wait_for(run(), timeout_s)
+        except (asyncio.TimeoutError, InvalidRequestError):
+            return False
+
+    def model_info(self) -> dict[str, Any]:
+        """Static facts about the loaded model and the KV pool."""
+        cfg = self.runner.model_config
+        return {
+            "model_path": self.args.model_path,
+            "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
+            "served_model_name": self.served_model_name,
+            "architecture": getattr(cfg, "architecture", None),
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "device": str(self.runner.device),
+            "max_total_tokens": self.runner.max_total_tokens,
+            "max_running_requests": self.args.max_running_requests,
+            "schedule_policy": self.args.schedule_policy,
+            "disable_radix_cache": self.args.disable_radix_cache,
+            "eos_token_ids": self.eos_token_ids,
+        }

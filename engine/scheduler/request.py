@@ -1,0 +1,80 @@
+"""Scheduler-side state of one generation sample (``Req``).
+
+A ``GenerateRequest`` with ``n`` samples becomes one ``Req`` that is prefilled once and then forked into ``n`` decoding
+``Req`` objects sharing the prompt's KV slots through the radix tree (parallel sampling, as in SGLang).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from radixserve.engine.io_struct import GenerateRequest, SamplingParams, TokenLogprob
+from radixserve.engine.tokenizer.detokenize import IncrementalDetokenizer
+from radixserve.engine.tokenizer.stop import StopStringMatcher
+
+
+class Req:
+    """One sample being generated.
+
+    KV layout: ``req_to_token[req_pool_idx, :kv_len]`` holds the KV slots of ``fill_ids[:kv_len]``; the first
+    ``prefix_len`` of them belong to the radix tree (kept alive by a lock on ``last_node``), the rest to this request.
+    """
+
+    def __init__(self, greq: GenerateRequest, index: int, tokenizer: Any, generator: torch.Generator | None):
+        self.greq = greq
+        self.rid = greq.rid
+        self.index = index
+        self.origin_input_ids: list[int] = greq.input_ids
+        self.output_ids: list[int] = []
+        self.params: SamplingParams = greq.sampling_params
+        self.generator = generator
+        self.return_logprob = greq.return_logprob
+        self.top_logprobs_num = greq.top_logprobs_num
+        self.num_samples = greq.sampling_params.n  # > 1 only for a parent that still has to fork
+
+        self.req_pool_idx: int | None = None
+        self.prefix_len = 0  # tokens whose slots the radix tree owns
+        self.last_node: Any = None  # locked radix node covering the prefix
+        self.kv_len = 0  # tokens whose KV is computed (prefix + extended)
+        self.extend_len = 0  # tokens extended in the current prefill batch
+        self.cached_tokens = 0  # prompt tokens served from the radix cache (reported to the client)
+        self.cached_tokens_set = False
+
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=self.params.skip_special_tokens)
+        self.stop_matcher = StopStringMatcher(self.params.stop, trim=not self.params.no_stop_trim)
+        self.pending_text = ""  # text produced since the last ReqOutput
+        self.pending_ids: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.finish_reason: dict[str, Any] | None = None
+
+        self.arrival_time = greq.arrival_time or time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV the request needs: the prompt plus every generated token."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def reset_kv_state(self) -> None:
+        """Forget KV placement (after the scheduler released it) so the request can be prefilled again (retract)."""
+        self.req_pool_idx = None
+        self.prefix_len = 0
+        self.last_node = None
+        self.kv_len = 0
+        self.extend_len = 0
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, index={self.index}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)})"
