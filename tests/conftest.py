@@ -1,0 +1,20 @@
+"""Shared test settings: the real demo model's location and markers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m-instruct")
+
+# 2-core machines: more threads than cores collapses throughput.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+requires_model = pytest.mark.skipif(
+    not os.path.exists(os.path.join(MODEL_DIR, "config.json")),
+    reason="demo model not converted; run `make install`",
+)
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
