@@ -1,0 +1,145 @@
+"""Attention backends against a naive float64 reference over the slot-indexed KV pool (tiny random shapes, GQA)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixserve.engine.attention.base import create_attention_backend
+from radixserve.engine.attention.torch_cpu import TorchBackend
+from radixserve.engine.memory.kv_pool import KVPool
+from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
+
+HQ, HKV, D = 6, 2, 16
+NUM_SLOTS = 200
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def _reference(q, pool: KVPool, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Naive attention in float64: per sequence, per new token, softmax over its context up to its own position."""
+    k_buf, v_buf = pool.get_kv(layer)
+    out = torch.empty(q.shape[0], HQ, D, dtype=torch.float64)
+    q0 = 0
+    for i in range(batch.batch_size):
+        n_new, n_kv = batch.extend_seq_lens_cpu[i], batch.seq_lens_cpu[i]
+        slots = batch.kv_indices[int(batch.kv_indptr[i]) : int(batch.kv_indptr[i + 1])]
+        keys = k_buf[slots].double().repeat_interleave(HQ // HKV, dim=1)  # [L, HQ, D]
+        vals = v_buf[slots].double().repeat_interleave(HQ // HKV, dim=1)
+        for j in range(n_new):
+            visible = n_kv - n_new + j + 1
+            s = torch.einsum("hd,lhd->hl", q[q0 + j].double(), keys[:visible]) * scale
+            out[q0 + j] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=-1), vals[:visible])
+        q0 += n_new
+    return out.reshape(q.shape[0], HQ * D)
+
+
+def _fill_pool(pool: KVPool, used: list[list[int]], dtype) -> None:
+    """Random K/V in the given slots; slot 0 gets huge values so a padding leak would show."""
+    for layer in range(pool.num_layers):
+        for slots in used:
+            idx = torch.tensor(slots, dtype=torch.int64)
+            pool.set_kv(layer, idx, torch.randn(len(slots), HKV, D, dtype=dtype), torch.randn(len(slots), HKV, D,
+                                                                                              dtype=dtype))
+        pool.k_buffers[layer][0].fill_(1e3)
+        pool.v_buffers[layer][0].fill_(1e3)
+
+
+def _make_case(mode: ForwardMode, seed: int, dtype):
+    """Sequences with random prefix/new lengths over scattered, non-contiguous slots."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pool = KVPool(NUM_SLOTS, 2, HKV, D, dtype, "cpu")
+    free = list(range(1, NUM_SLOTS))
+    rng.shuffle(free)
+    specs = [(0, 7), (5, 3), (11, 1), (1, 9)] if mode == ForwardMode.EXTEND else [(4, 1), (17, 1), (1, 1), (30, 1)]
+    slots, new_ids, prefixes = [], [], []
+    for prefix, n_new in specs:
+        s = [free.pop() for _ in range(prefix + n_new)]
+        slots.append(s)
+        new_ids.append([0] * n_new)
+        prefixes.append(s[:prefix])
+    _fill_pool(pool, prefixes, dtype)
+    batch = ForwardBatch.build(mode, new_ids, slots)
+    T = batch.num_tokens
+    q = torch.randn(T, HQ, D, dtype=dtype)
+    k = torch.randn(T, HKV, D, dtype=dtype)
+    v = torch.randn(T, HKV, D, dtype=dtype)
+    return pool, batch, q, k, v
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_torch_backend_matches_reference(mode, dtype, atol):
+    pool, batch, q, k, v = _make_case(mode, seed=3, dtype=dtype)
+    backend = TorchBackend(HQ, HKV, D)
+    backend.init_forward_metadata(batch)
+    for layer in range(2):
+        out = backend.forward(q, k, v, layer, pool, batch)
+        assert out.shape == (batch.num_tokens, HQ * D) and out.dtype == dtype
+        # the new K/V landed in their slots
+        torch.testing.assert_close(pool.k_buffers[layer][batch.out_cache_loc], k)
+        torch.testing.assert_close(pool.v_buffers[layer][batch.out_cache_loc], v)
+        ref = _reference(q, pool, layer, batch, D**-0.5)
+        torch.testing.assert_close(out.double(), ref, atol=atol, rtol=atol)
+
+
+def test_decode_single_length_no_padding_path():
+    """All sequences the same length takes the unpadded path; still matches the reference."""
+    torch.manual_seed(0)
+    pool = KVPool(64, 1, HKV, D, torch.float32, "cpu")
+    slots = [[5, 9, 2, 40], [33, 7, 21, 3]]
+    _fill_pool(pool, [s[:-1] for s in slots], torch.float32)
+    batch = ForwardBatch.build(ForwardMode.DECODE, [[0], [0]], slots)
+    q, k, v = torch.randn(2, HQ, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
+    backend = TorchBackend(HQ, HKV, D)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, 0, pool, batch)
+    torch.testing.assert_close(out.double(), _reference(q, pool, 0, batch, D**-0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_factory_choices():
+    assert isinstance(create_attention_backend("torch", HQ, HKV, D, torch.float32, "cpu"), TorchBackend)
+    if not torch.cuda.is_available():
+        assert isinstance(create_attention_backend("auto", HQ, HKV, D, torch.bfloat16, "cpu"), TorchBackend)
+        with pytest.raises(ValueError):
+            create_attention_backend("flashinfer", HQ, HKV, D, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError):
+        create_attention_backend("nope", HQ, HKV, D, torch.float32, "cpu")
+    with pytest.raises(ValueError):
+        create_attention_backend("torch", 5, 2, D, torch.float32, "cpu")
+
+
+def test_forward_batch_build_validates():
+    b = ForwardBatch.build(ForwardMode.EXTEND, [[7, 8], [9]], [[3, 4, 5], [6]])
+    assert b.positions.tolist() == [1, 2, 0] and b.out_cache_loc.tolist() == [4, 5, 6]
+    assert b.kv_indptr.tolist() == [0, 3, 4] and b.batch_size == 2
+    with pytest.raises(ValueError):
+        ForwardBatch.build(ForwardMode.DECODE, [[1, 2]], [[3, 4]])
+    with pytest.raises(ValueError):
+        ForwardBatch.build(ForwardMode.EXTEND, [[1, 2]], [[3]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend_name", ["flashinfer", "torch"])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_cuda_backends_match_reference(backend_name, mode):
+    if backend_name == "flashinfer":
+        pytest.importorskip("flashinfer")
+    dtype = torch.bfloat16
+    pool, batch, q, k, v = _make_case(mode, seed=5, dtype=dtype)
+    dev = torch.device("cuda")
+    gpu_pool = KVPool(pool.size, pool.num_layers, HKV, D, dtype, dev)
+    for layer in range(pool.num_layers):
+        gpu_pool.k_buffers[layer].copy_(pool.k_buffers[layer])
+        gpu_pool.v_buffers[layer].copy_(pool.v_buffers[layer])
+    gbatch = ForwardBatch(**{f: (getattr(batch, f).to(dev) if isinstance(getattr(batch, f), torch.Tensor)
+                                 else getattr(batch, f)) for f in batch.__dataclass_fields__})
+    backend = create_attention_backend(backend_name, HQ, HKV, D, dtype, dev)
+    backend.init_forward_metadata(gbatch)
+    out = backend.forward(q.to(dev), k.to(dev), v.to(dev), 1, gpu_pool, gbatch).cpu()
+    pool.set_kv(1, batch.out_cache_loc, k, v)
+    ref = _reference(q, pool, 1, batch, D**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
