@@ -1,0 +1,162 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k RMSNorm) over a slot-indexed KV pool.
+
+Structure after nano-vllm (nanovllm/models/qwen3.py) and SGLang (srt/models/llama.py): q/k/v and gate/up projections
+are fused into one matmul each (the loader writes HF's separate tensors into their shards), attention is delegated to
+an ``AttentionBackend`` that owns the KV pool reads/writes, and only the last new token of each sequence goes through
+the final norm and the LM head. Module names mirror HF's (``model.layers.N.self_attn...``) so checkpoints map 1:1
+apart from the fused shards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.engine.attention.base import AttentionBackend
+from radixserve.engine.memory.kv_pool import KVPool
+from radixserve.engine.model.config import ModelConfig
+from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
+from radixserve.engine.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 and cast back as HF's LlamaRMSNorm does. ``[..., dim]``."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dt)
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
+    lin = nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device)
+    lin.weight.requires_grad_(False)
+    if bias:
+        lin.bias.requires_grad_(False)
+    return lin
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused ``qkv_proj`` ``[hidden -> (Hq + 2 Hkv) * D]``, RoPE, GQA via the backend."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding | None, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device)
+        self.o_proj = _linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rope = rope  # shared by all layers; set after weights are materialised
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, kv_pool: KVPool,
+                attn: AttentionBackend) -> torch.Tensor:
+        """``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``; writes this layer's K/V for the new tokens."""
+        T = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        o = attn.forward(q, k, v, self.layer_id, kv_pool, batch)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP (Shazeer 2020) with fused ``gate_up_proj`` ``[hidden -> 2 * intermediate]``."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, dtype, device)
+        self.down_proj = _linear(self.inter, cfg.hidden_size, cfg.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, None, dtype, device)
+        self.mlp = LlamaMLP(cfg, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, kv_pool: KVPool,
+                attn: AttentionBackend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, batch, kv_pool, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole causal LM. Build on ``device="meta"``, then ``materialize`` and load weights.
+
+    ``forward`` returns float32 logits ``[batch, vocab]`` of each sequence's last new token.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "meta") -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, device)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
+                                                                    device)
+        self.rope: RotaryEmbedding | None = None
+
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate (uninitialised) storage on ``device`` and build the RoPE cos/sin cache there."""
+        self.to_empty(device=device)
+        cfg = self.config
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.context_length,
+                                    cfg.max_position_embeddings, dtype, device)
+        for layer in self.model.layers:
+            layer.self_attn.rope = self.rope
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[vocab, hidden]``: the embedding matrix when tied, else ``lm_head.weight``."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend) -> torch.Tensor:
+        """Run all layers over ``batch``'s new tokens; float32 logits ``[batch, vocab]`` of each last new token."""
+        positions = batch.positions
+        hidden = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, positions, batch, kv_pool, attn)
+        if batch.mode == ForwardMode.EXTEND and batch.num_tokens != batch.batch_size:
+            last, acc = [], 0
+            for n in batch.extend_seq_lens_cpu:
+                acc += n
+                last.append(acc - 1)
+            hidden = hidden[torch.tensor(last, dtype=torch.int64, device=hidden.device)]
+        hidden = self.model.norm(hidden)
+        return F.linear(hidden, self.lm_head_weight()).float()

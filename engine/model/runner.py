@@ -1,0 +1,135 @@
+"""ModelRunner: loads a Llama-family checkpoint into our own forward, owns the KV pool and the attention backend.
+
+The scheduler builds a ``ForwardBatch`` (slots from its req->token table) and calls ``forward``; the runner returns the
+float32 logits of each sequence's last new token. Same role as nano-vllm's ``ModelRunner`` and SGLang's
+``model_executor/model_runner.py`` (minus CUDA graphs and tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from radixserve.engine.attention.base import create_attention_backend
+from radixserve.engine.memory.kv_pool import KVPool
+from radixserve.engine.model.config import ModelConfig, load_hf_config
+from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
+from radixserve.engine.model.llama import LlamaForCausalLM
+from radixserve.engine.model.loader import load_weights
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BUDGET_BYTES = 2 * 1024**3  # default KV pool budget on CPU
+CPU_MAX_TOTAL_TOKENS = 200_000
+CUDA_KV_MEM_FRACTION = 0.85  # of the free memory left after weights
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def cpu_has_avx512_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU flags list ``avx512_bf16`` (native bf16 dot products, so bf16 matmuls beat fp32)."""
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``. Raises ValueError for cuda without CUDA."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bf16 on CUDA, bf16 on CPUs with avx512_bf16, else float32. Raises ValueError for unknown names."""
+    if dtype == "auto":
+        if device.type == "cuda" or cpu_has_avx512_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    """Owns the model weights, the KV pool and the attention backend; runs one forward per scheduler step.
+
+    Args:
+        model_path: HF directory (config.json + safetensors, sharded or not) or a ``.gguf`` file.
+        dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16``.
+        device: ``auto`` | ``cpu`` | ``cuda`` (``cuda:N``).
+        attention_backend: ``auto`` | ``torch`` | ``flashinfer``.
+        max_total_tokens: usable KV slots; default CPU: min(200k, 2 GiB / bytes per token), CUDA: 85% of free memory.
+        context_length: longest sequence (RoPE table size); default the model's ``max_position_embeddings``.
+        num_threads: ``torch.set_num_threads`` when given.
+
+    Raises:
+        ValueError: unsupported architecture / dtype / device / backend; FileNotFoundError: no weights.
+    """
+
+    def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto", attention_backend: str = "auto",
+                 max_total_tokens: int | None = None, context_length: int | None = None,
+                 num_threads: int | None = None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        if not os.path.exists(model_path):
+            raise FileNotFoundError(model_path)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model_config = ModelConfig.from_hf_config(load_hf_config(model_path), context_length)
+        cfg = self.model_config
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.model = LlamaForCausalLM(cfg, self.dtype, device="meta")
+            self.model.materialize(self.device, self.dtype)
+            load_weights(self.model, model_path)
+        self.model.eval()
+        logger.info("loaded %s (%s, %s) on %s in %.1f s", model_path, cfg.architecture, self.dtype, self.device,
+                    time.perf_counter() - t0)
+        if max_total_tokens is None:
+            max_total_tokens = self._default_max_total_tokens()
+        if max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
+        self.max_total_tokens = int(max_total_tokens)
+        self.kv_pool = KVPool(self.max_total_tokens + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                              self.device)
+        logger.info("KV pool: max_total_tokens=%d (%.1f MiB, %d bytes/token)", self.max_total_tokens,
+                    self.kv_pool.total_bytes() / 2**20, self.kv_pool.bytes_per_token())
+        self.attn_backend = create_attention_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads,
+                                                     cfg.head_dim, self.dtype, self.device)
+
+    def _default_max_total_tokens(self) -> int:
+        cfg = self.model_config
+        per_token = KVPool.bytes_per_token_for(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(1, int(free * CUDA_KV_MEM_FRACTION) // per_token)
+        return max(1, min(CPU_MAX_TOTAL_TOKENS, CPU_KV_BUDGET_BYTES // per_token))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one forward; float32 logits ``[batch_size, vocab]`` of each sequence's last new token.
+
+        Writes the new tokens' K/V into ``kv_pool`` at ``batch.out_cache_loc`` as a side effect.
+        """
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch, self.kv_pool, self.attn_backend)
+
+    def warmup(self) -> None:
+        """One tiny EXTEND of a single token written to the dummy slot 0 (touches no usable slot)."""
+        batch = ForwardBatch.build(ForwardMode.EXTEND, [[0]], [[0]], device=self.device)
+        self.forward(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
