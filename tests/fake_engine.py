@@ -1,0 +1,195 @@
+"""A fake of the Engine boundary (engine/engine.py's ``Engine`` interface) for testing the HTTP layer alone.
+
+It uses the real tokenizer and emits scripted ``ReqOutput`` deltas: sample ``i`` of a request produces the token ids
+of ``script`` rotated by ``i`` tokens, one token per step, ``delay_s`` seconds apart, until ``max_new_tokens``
+(finish "length") or the end of the script (finish "stop", matched eos). Text deltas are decoded incrementally and
+never end in half a character. It records every request it received and every request aborted before finishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from transformers import AutoTokenizer
+
+from radixserve.engine.config import EngineArgs
+from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, TokenLogprob
+from radixserve.engine.metrics import EngineMetrics
+
+MODEL_DIR = str(Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct")
+SCRIPT = "Hello there! Ünïcödé café, 日本語 🙂 and the end."
+
+
+def load_tokenizer() -> Any:
+    """The demo model's real tokenizer."""
+    return AutoTokenizer.from_pretrained(MODEL_DIR)
+
+
+class FakeEngine:
+    """Scripted stand-in for ``Engine`` (same attributes and methods the server uses)."""
+
+    def __init__(self, tokenizer: Any, context_length: int = 2048, delay_s: float = 0.0, **arg_overrides: Any):
+        self.args = EngineArgs(model_path=MODEL_DIR, context_length=context_length, **arg_overrides)
+        self.tokenizer = tokenizer
+        self.served_model_name = "smollm2-135m-instruct"
+        self.context_length = context_length
+        self.vocab_size = 49152
+        self.metrics = EngineMetrics(self.served_model_name)
+        self.delay_s = delay_s
+        self.script_ids: list[int] = tokenizer.encode(SCRIPT)
+        self.eos_id = 2
+        self.cached_tokens = 0
+        self.fail_with: InvalidRequestError | None = None  # raised when a generation starts
+        self.fail_after_first: Exception | None = None  # raised after the first delta (mid-stream error)
+        self.healthy = True
+        self.started = False
+        self.stopped = False
+        self.requests: list[GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.aborted_by_call: list[str] = []
+        self.running: set[str] = set()
+
+    # ---- lifecycle
+    def start(self) -> None:
+        self.started = True
+
+    def shutdown(self) -> None:
+        self.stopped = True
+
+    def is_healthy(self) -> bool:
+        return self.healthy and not self.stopped
+
+    async def health_generate(self, timeout_s: float = 20) -> bool:
+        return self.is_healthy()
+
+    async def flush_cache(self) -> bool:
+        return not self.running
+
+    def abort(self, rid: str) -> None:
+        self.aborted_by_call.append(rid)
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.args.model_path,
+            "served_model_name": self.served_model_name,
+            "context_length": self.context_length,
+            "max_total_tokens": 4096,
+        }
+
+    # ---- generation
+    def sample_ids(self, index: int) -> list[int]:
+        """The token ids sample ``index`` produces (before max_new_tokens cuts it)."""
+        k = index % len(self.script_ids)
+        return self.script_ids[k:] + self.script_ids[:k]
+
+    def logprob_of(self, step: int, token_id: int, k: int) -> TokenLogprob:
+        lp = -0.1 - 0.25 * (step % 4)
+        top = [(token_id, lp)] + [((token_id + j) % self.vocab_size, lp - j) for j in range(1, k)]
+        return TokenLogprob(token_id=token_id, logprob=lp, top=top[:k])
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[ReqOutput]:
+        self.requests.append(req)
+        if self.fail_with is not None:
+            raise self.fail_with
+        sp = req.sampling_params
+        assert isinstance(sp.max_new_tokens, int), "the server must resolve max_new_tokens"
+        n = sp.n
+        done = [False] * n
+        sent_text = [""] * n
+        self.running.add(req.rid)
+        try:
+            step = 0
+            while not all(done):
+                await asyncio.sleep(self.delay_s)
+                for i in range(n):
+                    if done[i]:
+                        continue
+                    ids = self.sample_ids(i)
+                    produced = ids[: step + 1]
+                    finish = None
+                    if step + 1 >= sp.max_new_tokens:
+                        finish = {"type": "length", "matched": None}
+                    elif step + 1 >= len(ids):
+                        finish = {"type": "stop", "matched": self.eos_id}
+                    full = self.tokenizer.decode(produced)
+                    if finish is None and full.endswith("\ufffd"):
+                        full = sent_text[i]  # hold back half a character
+                    delta, sent_text[i] = full[len(sent_text[i]):], full
+                    tok = produced[-1]
+                    yield ReqOutput(
+                        rid=req.rid, index=i, text=delta, token_ids=[tok],
+                        logprobs=[self.logprob_of(step, tok, req.top_logprobs_num)] if req.return_logprob else None,
+                        finish_reason=finish, prompt_tokens=len(req.input_ids), completion_tokens=step + 1,
+                        cached_tokens=min(self.cached_tokens, len(req.input_ids)),
+                    )
+                    if finish is not None:
+                        done[i] = True
+                    if step == 0 and self.fail_after_first is not None:
+                        raise self.fail_after_first
+                step += 1
+        finally:
+            self.running.discard(req.rid)
+            if not all(done):
+                self.aborted.append(req.rid)
+
+
+def sse_payloads(body: str) -> list[Any]:
+    """Parse an SSE body: checks the framing (``data: <json>`` events separated by blank lines, ending with
+    ``data: [DONE]``) and returns the decoded JSON payloads in order (without the ``[DONE]``)."""
+    import json
+
+    assert body.endswith("data: [DONE]\n\n"), body[-200:]
+    events = body.split("\n\n")
+    assert events[-1] == ""
+    payloads = []
+    for ev in events[:-2]:
+        assert ev.startswith("data: "), ev
+        payloads.append(json.loads(ev[len("data: "):]))
+    assert events[-2] == "data: [DONE]"
+    return payloads
+
+
+class ServerThread:
+    """A uvicorn server for ``app`` on a free 127.0.0.1 port in a background thread (context manager → base URL)."""
+
+    def __init__(self, app: Any):
+        import socket
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> str:
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return self.url
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def wait_until(cond: Any, timeout_s: float = 20.0) -> bool:
+    """Poll ``cond()`` every 50 ms until true or ``timeout_s`` passes; returns its last value."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return bool(cond())
+        time.sleep(0.05)
+    return True

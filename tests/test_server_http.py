@@ -1,0 +1,163 @@
+"""Operational routes and HTTP edge behaviour of the engine server over a fake engine (tests/fake_engine.py):
+health, models, metrics, errors, request ids, body limit, API key, lifespan, client disconnects."""
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from fake_engine import FakeEngine, ServerThread, load_tokenizer, wait_until
+from radixserve.engine.server.common import RidRegistry
+from radixserve.engine.server.http import create_app
+
+MSGS = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture
+def engine(tokenizer):
+    return FakeEngine(tokenizer, context_length=2048)
+
+
+@pytest.fixture
+def client(engine):
+    return TestClient(create_app(engine, manage_engine=False), raise_server_exceptions=False)
+
+
+def test_health(client, engine):
+    assert client.get("/health").status_code == 200
+    assert client.get("/health_generate").status_code == 200
+    engine.healthy = False
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["type"] == "service_unavailable"
+    assert client.get("/health_generate").status_code == 503
+
+
+def test_models(client):
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    (card,) = body["data"]
+    assert card["id"] == "smollm2-135m-instruct" and card["object"] == "model" and card["max_model_len"] == 2048
+    assert client.get("/v1/models/smollm2-135m-instruct").json()["id"] == card["id"]
+    r = client.get("/v1/models/nope")
+    assert r.status_code == 404 and r.json()["param"] == "model"
+
+
+def test_model_info_flush_metrics_abort(client, engine):
+    assert client.get("/get_model_info").json()["context_length"] == 2048
+    assert client.post("/flush_cache").status_code == 200
+    engine.running.add("busy")
+    assert client.post("/flush_cache").status_code == 400
+    engine.metrics.num_running_reqs.set(3)
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert 'radixserve_engine_num_running_reqs{model_name="smollm2-135m-instruct"} 3.0' in r.text
+    assert client.post("/abort_request", json={"rid": "r9"}).status_code == 200
+    assert engine.aborted_by_call == ["r9"]
+
+
+def test_unknown_route_is_openai_error(client):
+    r = client.get("/nope")
+    assert r.status_code == 404 and r.json()["object"] == "error"
+
+
+def test_request_id_generated_and_echoed_everywhere(client):
+    r = client.get("/health")
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32 and int(rid, 16) >= 0
+    assert client.get("/health").headers["x-request-id"] != rid
+    for resp in (
+        client.get("/health", headers={"x-request-id": "abc-1"}),
+        client.post("/v1/chat/completions", json={"messages": []}, headers={"x-request-id": "abc-1"}),
+        client.post("/v1/chat/completions", json={"model": "x", "messages": MSGS}, headers={"x-request-id": "abc-1"}),
+        client.post("/v1/chat/completions", json={"messages": MSGS, "stream": True}, headers={"x-request-id": "abc-1"}),
+    ):
+        assert resp.headers["x-request-id"] == "abc-1"
+    bad = client.get("/health", headers={"x-request-id": "x" * 500})
+    assert len(bad.headers["x-request-id"]) == 32
+
+
+def test_rid_registry_never_hands_out_a_live_rid():
+    reg = RidRegistry()
+    (a,) = reg.claim("r", 1)
+    (b,) = reg.claim("r", 1)
+    assert a == "r" and b != a and b.startswith("r-")
+    many = reg.claim("r", 3)
+    assert many == ["r-0", "r-1", "r-2"]
+    reg.release([a])
+    assert reg.claim("r", 1) == ["r"]
+
+
+def test_body_limit(tokenizer):
+    engine = FakeEngine(tokenizer, max_request_body_bytes=1000)
+    client = TestClient(create_app(engine, manage_engine=False))
+    big = {"messages": [{"role": "user", "content": "x" * 2000}]}
+    r = client.post("/v1/chat/completions", json=big, headers={"x-request-id": "big"})
+    assert r.status_code == 413 and r.json()["type"] == "request_too_large" and r.headers["x-request-id"] == "big"
+
+    def chunked():  # no Content-Length: the limit must hold on the body actually read
+        for _ in range(5):
+            yield b"x" * 300
+
+    r = client.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert client.post("/v1/chat/completions", json={"messages": MSGS}).status_code == 200
+    assert len(engine.requests) == 1
+
+
+def test_api_key(tokenizer):
+    engine = FakeEngine(tokenizer, api_key="sekret")
+    client = TestClient(create_app(engine, manage_engine=False))
+    r = client.post("/v1/chat/completions", json={"messages": MSGS})
+    assert r.status_code == 401 and r.json()["type"] == "authentication_error"
+    assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ok = client.post("/v1/chat/completions", json={"messages": MSGS}, headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+def test_unexpected_exception_is_500_without_traceback(client, engine):
+    engine.fail_with = ZeroDivisionError("secret internals")  # type: ignore[assignment]
+    for path, body in (("/v1/chat/completions", {"messages": MSGS}), ("/generate", {"text": "a"})):
+        r = client.post(path, json=body, headers={"x-request-id": "e500"})
+        assert r.status_code == 500
+        assert r.json()["object"] == "error" and r.json()["type"] == "internal_server_error"
+        assert "secret" not in r.text and "Traceback" not in r.text
+        assert r.headers["x-request-id"] == "e500"
+
+
+def test_lifespan_starts_and_stops_the_engine(engine):
+    app = create_app(engine)
+    with TestClient(app) as c:
+        assert wait_until(lambda: engine.started)
+        assert c.get("/health").status_code == 200
+    assert engine.stopped
+
+
+@pytest.mark.timeout(120)
+def test_client_disconnect_aborts_generation(tokenizer):
+    engine = FakeEngine(tokenizer, delay_s=0.2)
+    with ServerThread(create_app(engine, manage_engine=False)) as url:
+        # Streaming: read the first chunk, then drop the connection.
+        with httpx.Client(base_url=url, timeout=30) as http:
+            with http.stream(
+                "POST", "/v1/chat/completions", json={"messages": MSGS, "stream": True, "max_tokens": 1000},
+                headers={"x-request-id": "s1"},
+            ) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())
+        assert wait_until(lambda: "s1" in engine.aborted), engine.aborted
+        # Non-streaming: the client times out and closes the connection.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1000},
+                headers={"x-request-id": "n1"}, timeout=0.5,
+            )
+        assert wait_until(lambda: "n1" in engine.aborted), engine.aborted
+        assert wait_until(lambda: not engine.running)
+        # Finished requests are not counted as aborted, and the server still serves.
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}, headers={"x-request-id": "ok"})
+        assert r.status_code == 200 and "ok" not in engine.aborted
