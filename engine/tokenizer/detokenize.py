@@ -28,6 +28,9 @@ class IncrementalDetokenizer:
     Invariant: ``"".join(add_tokens(...) for each chunk) + flush() == tokenizer.decode(output_ids, ...)`` when
     ``prompt_tail`` is None (with a prompt tail, it equals the text that the output adds after the tail).
     ``add_tokens`` also emits the stable part before a trailing incomplete character when a chunk has several tokens.
+    The invariant is exact for ByteLevel decoders (GPT-2 style, the demo model) on any ids, and for ByteFallback
+    (SentencePiece ``<0xNN>``) decoders when the byte tokens form valid UTF-8: an *invalid* byte run makes
+    ByteFallback turn every byte of the run into U+FFFD, including bytes already streamed as text.
 
     Attributes:
         output_text: all text returned so far by ``add_tokens`` and ``flush``.
