@@ -2,9 +2,9 @@
 
 Shapes follow the official OpenAI API (chat completions, legacy completions, models, error body) and SGLang's native
 ``/generate`` (see shared/CONTRACTS.md "Native request"); the models mirror SGLang's
-``srt/entrypoints/openai/protocol.py``. Requests accept unknown keys (clients send ``user``, ``metadata`` ...) and ignore
-them; every key that would change the output and that we cannot honour is declared here so the server can refuse it
-with a 400 instead of silently ignoring it.
+``srt/entrypoints/openai/protocol.py``. Requests accept unknown keys (clients send ``user``, ``metadata`` ...) and
+ignore them; every key that would change the output and that we cannot honour is declared here so the server can
+refuse it with a 400 instead of silently ignoring it.
 
 This module must not import the engine: the router uses it too.
 """

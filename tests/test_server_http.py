@@ -159,5 +159,6 @@ def test_client_disconnect_aborts_generation(tokenizer):
         assert wait_until(lambda: "n1" in engine.aborted), engine.aborted
         assert wait_until(lambda: not engine.running)
         # Finished requests are not counted as aborted, and the server still serves.
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}, headers={"x-request-id": "ok"})
+        body = {"messages": MSGS, "max_tokens": 2}
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": "ok"})
         assert r.status_code == 200 and "ok" not in engine.aborted

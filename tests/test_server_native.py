@@ -59,7 +59,8 @@ def test_batch_and_n(client, engine):
 
 
 def test_per_prompt_sampling_params(client, engine):
-    r = client.post("/generate", json={"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 3}]})
+    sps = [{"max_new_tokens": 1}, {"max_new_tokens": 3}]
+    r = client.post("/generate", json={"input_ids": [[1], [2]], "sampling_params": sps})
     assert [x["meta_info"]["completion_tokens"] for x in r.json()] == [1, 3]
 
 

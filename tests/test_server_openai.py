@@ -189,7 +189,8 @@ def test_chat_logprobs_without_top(client, engine):
 
 
 def test_chat_top_logprobs(client):
-    r = client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 5, "logprobs": True, "top_logprobs": 2})
+    body = {"messages": MSGS, "max_tokens": 5, "logprobs": True, "top_logprobs": 2}
+    r = client.post("/v1/chat/completions", json=body)
     for entry in r.json()["choices"][0]["logprobs"]["content"]:
         tops = entry["top_logprobs"]
         assert len(tops) == 2
@@ -269,7 +270,7 @@ def test_engine_abort_is_an_error(client, engine, monkeypatch):
     assert_error(client.post("/v1/chat/completions", json={"messages": MSGS}), 503, "shutting down")
 
 
-# ------------------------------------------------------------------------------------------------------------ completions
+# -------------------------------------------------------------------------------------------------------- completions
 
 
 def test_completion_prompt_forms(client, engine, tokenizer):
@@ -309,7 +310,8 @@ def test_completion_default_is_clamped_but_explicit_is_checked(tokenizer):
 
 
 def test_completion_echo_max_tokens_zero(client, engine):
-    r = client.post("/v1/completions", json={"prompt": "Your answer: Yes", "max_tokens": 0, "echo": True, "logprobs": 1})
+    body = {"prompt": "Your answer: Yes", "max_tokens": 0, "echo": True, "logprobs": 1}
+    r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     body = r.json()
     (choice,) = body["choices"]
@@ -341,9 +343,8 @@ def test_completion_legacy_logprobs(client, engine):
 
 
 def test_completion_echo_text_offsets_continue_after_prompt(client):
-    lp = client.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 2, "echo": True, "logprobs": 0}).json()[
-        "choices"
-    ][0]["logprobs"]
+    body = {"prompt": "hi there", "max_tokens": 2, "echo": True, "logprobs": 0}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
     assert lp["text_offset"][0] == 0
     n_prompt = lp["token_logprobs"].count(None)
     assert lp["text_offset"][n_prompt] == len("hi there")

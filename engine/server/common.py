@@ -59,7 +59,7 @@ class RidRegistry:
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, inverted: printable stand-in character → byte (Radford et al. 2019)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):

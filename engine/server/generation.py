@@ -2,9 +2,10 @@
 
 ``GenerationGroup`` drives one ``Engine.generate`` iterator per prompt (a batch of prompts is several requests; the
 ``n`` samples of one prompt are one request) in its own asyncio task and merges their ``ReqOutput`` deltas in arrival
-order (a request with ``max_new_tokens == 0`` is answered without the engine). ``start()`` waits for every request's first delta, so a full queue (429) or a shutting-down engine (503) is
-known before the HTTP response starts. Closing the group cancels the tasks, which closes the engine iterators; the
-engine then aborts the requests and frees their KV cache (SGLang's ``abort_request`` on disconnect).
+order (a request with ``max_new_tokens == 0`` is answered without the engine). ``start()`` waits for every
+request's first delta, so a full queue (429) or a shutting-down engine (503) is known before the HTTP response
+starts. Closing the group cancels the tasks, which closes the engine iterators; the engine then aborts the requests
+and frees their KV cache (SGLang's ``abort_request`` on disconnect).
 """
 
 from __future__ import annotations

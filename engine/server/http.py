@@ -131,7 +131,8 @@ class EdgeMiddleware:
         try:
             await self.app(scope, app_receive, send_with_id)
         except Exception:
-            logger.exception("unhandled error on %s %s (request %s)", scope.get("method"), scope.get("path"), request_id)
+            logger.exception("unhandled error on %s %s (request %s)", scope.get("method"), scope.get("path"),
+                             request_id)
             if started:
                 raise  # the response is under way; let the server drop the connection
             await reply(500, "internal server error")

@@ -84,7 +84,9 @@ class NativeServing:
         sps = [self._sampling(raw, len(p)) for raw, p in zip(raw_sps, prompts)]
         k = body.top_logprobs_num
         if not 0 <= k <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "top_logprobs_num")
+            raise InvalidRequestError(
+                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "top_logprobs_num"
+            )
         if isinstance(body.rid, list):
             if not batch or len(body.rid) != len(prompts):
                 raise InvalidRequestError("rid list must have one entry per prompt", "rid")

@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
-import anyio
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,7 +23,6 @@ from radixserve.engine.server.common import (
     SSE_DONE,
     SampleState,
     ServerContext,
-    SSEResponse,
     abort_error,
     chat_id,
     completion_id,
@@ -32,7 +30,6 @@ from radixserve.engine.server.common import (
     request_id_of,
     resolve_max_tokens,
     sse,
-    sse_error,
 )
 from radixserve.engine.server.generation import GenerationGroup, respond
 from radixserve.protocol import (
