@@ -6,6 +6,7 @@ Only the fields our Llama-family forward needs, normalised across transformers v
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,8 +102,15 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_path: str, context_length: int | None = None) -> "ModelConfig":
-        """Read an HF directory's ``config.json`` or a ``.gguf`` file's metadata (via transformers)."""
-        return cls.from_hf_config(load_hf_config(model_path), context_length)
+        """Read an HF directory's ``config.json`` or a ``.gguf`` file's metadata (via transformers).
+
+        EOS ids listed in the directory's ``generation_config.json`` (e.g. Llama 3's ``<|eot_id|>``) are added.
+        """
+        cfg = cls.from_hf_config(load_hf_config(model_path), context_length)
+        for t in generation_eos_ids(model_path):
+            if t not in cfg.eos_token_ids:
+                cfg.eos_token_ids.append(t)
+        return cfg
 
 
 _ARCH_BY_MODEL_TYPE = {
@@ -111,6 +119,16 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+
+
+def generation_eos_ids(model_path: str) -> list[int]:
+    """``eos_token_id`` of ``generation_config.json`` beside an HF checkpoint, as a list (``[]`` when absent)."""
+    path = os.path.join(model_path, "generation_config.json")
+    if model_path.endswith(".gguf") or not os.path.exists(path):
+        return []
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
 def load_hf_config(model_path: str) -> Any:

@@ -15,7 +15,7 @@ import torch
 
 from radixserve.engine.attention.base import create_attention_backend
 from radixserve.engine.memory.kv_pool import KVPool
-from radixserve.engine.model.config import ModelConfig, load_hf_config
+from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_weights
@@ -88,7 +88,7 @@ class ModelRunner:
             raise FileNotFoundError(model_path)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model_config = ModelConfig.from_hf_config(load_hf_config(model_path), context_length)
+        self.model_config = ModelConfig.from_pretrained(model_path, context_length)
         cfg = self.model_config
         t0 = time.perf_counter()
         with torch.inference_mode():
