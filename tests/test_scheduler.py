@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import uuid
 
 import pytest
@@ -141,15 +142,19 @@ def test_chunked_prefill_matches(prompts, reference):
         e.shutdown()
 
 
-def test_retraction_under_memory_pressure_keeps_output(prompts, reference):
-    # Room for the prompts but not for all four to decode together: the newest get retracted and resumed.
-    total = sum(len(p) for p in prompts)
-    e = make_engine(max_total_tokens=total // 2 + 200, disable_radix_cache=False)
+@pytest.mark.parametrize("disable_radix_cache", [True, False])
+def test_retraction_under_memory_pressure_keeps_output(prompts, reference, disable_radix_cache):
+    # Room for three prompts plus 8 decode tokens each, not 24 each: the newest get retracted and resumed.
+    # With the radix cache on, the shared system prompt is stored once, so the pool is sized by unique tokens.
+    ps, refs = prompts[1:], reference[1:]
+    assert all(len(r) == 24 for r in refs), "these prompts must decode the full 24 tokens"
+    shared = len(os.path.commonprefix(ps))
+    need = sum(len(p) for p in ps) - (0 if disable_radix_cache else 2 * shared)
+    e = make_engine(max_total_tokens=need + 24, disable_radix_cache=disable_radix_cache)
     try:
-        outs = run_all(e, prompts, max_new_tokens=24)
-        assert [r[0]["ids"] for r in outs] == reference
-        retracted = e.metrics.num_retracted_reqs_total._value.get()
-        assert retracted >= 1
+        outs = run_all(e, ps, max_new_tokens=24)
+        assert [r[0]["ids"] for r in outs] == refs
+        assert e.metrics.num_retracted_reqs_total._value.get() >= 1
         assert_idle_accounting(e)
     finally:
         e.shutdown()

@@ -121,13 +121,14 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------------------------
     # the loop
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)
         try:
-            while not self._stop.is_set():
-                self._recv(block=not (self.waiting or self.running or self.chunked_req))
-                self._process_control()
-                self._process_aborts()
-                self.step()
+            # The runner returns inference tensors; sampling updates them in place, so it must run in the same mode.
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    self._recv(block=not (self.waiting or self.running or self.chunked_req))
+                    self._process_control()
+                    self._process_aborts()
+                    self.step()
         except BaseException as e:  # a bug in the loop: report, fail every request, mark unhealthy
             logger.exception("scheduler loop crashed")
             self.error = e
@@ -273,16 +274,23 @@ class Scheduler:
             prefix = len(match.slots) if match is not None else 0
             need = len(req.fill_ids) - prefix
             chunk = min(need, budget, cfg.chunked_prefill_size)
-            reserve_req = self._decode_reserve([req])
-            if chunk + reserve + reserve_req > self._available_tokens() - self._locked_by_batch(batch):
-                if not batch and not self.running and chunk <= self._available_tokens():
-                    pass  # nothing else can free memory: admit anyway rather than stall
-                else:
-                    break
             if chunk < need and chunk < min(cfg.chunked_prefill_size, need) and batch:
                 break  # not enough budget left for a useful chunk; leave it for the next batch
+            # Lock the prefix before measuring free memory: a locked prefix is no longer evictable, and counting it
+            # as free would re-admit a just-retracted request only to retract it again (livelock).
+            if match is not None:
+                self.cache.inc_lock_ref(match.last_node)
+            reserve_req = self._decode_reserve([req])
+            free = self._available_tokens() - self._locked_by_batch(batch)
+            if chunk + reserve + reserve_req > free and not (not batch and not self.running and chunk <= free):
+                # (an empty engine admits what fits without the decode reserve: nothing else could free memory)
+                if match is not None:
+                    self.cache.dec_lock_ref(match.last_node)
+                break
             self.waiting.remove(req)
             if not self._start_req(req, match):
+                if match is not None:
+                    self.cache.dec_lock_ref(match.last_node)
                 self.waiting.insert(0, req)
                 break
             self._schedule_extend(req, budget)
@@ -299,21 +307,17 @@ class Scheduler:
         return sum(r.extend_len for r in batch)
 
     def _start_req(self, req: Req, match: Any) -> bool:
-        """Give ``req`` a req_to_token row and lock its cached prefix. False when no row is free."""
+        """Give ``req`` a req_to_token row and its cached prefix (``match``, already locked by the caller).
+
+        False when no row is free."""
         idx = self.req_to_token_pool.alloc()
         if idx is None:
             return False
         req.req_pool_idx = idx
-        if match is not None and len(match.slots) > 0:
-            self.cache.inc_lock_ref(match.last_node)
-            req.last_node = match.last_node
-            req.prefix_len = len(match.slots)
+        req.last_node = match.last_node if match is not None else None
+        req.prefix_len = len(match.slots) if match is not None else 0
+        if req.prefix_len:
             self.req_to_token[idx, : req.prefix_len] = match.slots
-        else:
-            req.last_node = match.last_node if match is not None else None
-            if req.last_node is not None:
-                self.cache.inc_lock_ref(req.last_node)
-            req.prefix_len = 0
         req.kv_len = req.prefix_len
         if not req.cached_tokens_set:
             req.cached_tokens = min(req.prefix_len, len(req.origin_input_ids))
