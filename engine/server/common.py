@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from dataclasses import dataclass, field
@@ -106,6 +107,46 @@ class TokenTexts:
 
     def text(self, token_id: int) -> str:
         return self.get(token_id)[0]
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special
+
+    def legacy(self, token_id: int) -> str:
+        """The token as legacy completions ``logprobs.tokens`` shows it: its text, or ``bytes:\\xNN...`` (OpenAI's
+        convention) when its bytes are not whole UTF-8 characters, so partial tokens stay distinct (they are keys
+        of ``top_logprobs``)."""
+        text, raw = self.get(token_id)
+        try:
+            bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
+
+
+class TextOffsets:
+    """Character offsets of successive tokens in the text they decode to (legacy completions ``text_offset``).
+
+    A token's offset is the index, in the decoded text, of the first character its bytes start or continue; the
+    bytes are run through an incremental UTF-8 decoder (invalid sequences count as one U+FFFD each, as the
+    tokenizer's decode does), so a character split over several byte-level tokens advances the offset once, not
+    once per token. Special tokens advance nothing when ``skip_special_tokens`` (they are not in the text).
+    """
+
+    def __init__(self, texts: TokenTexts, skip_special_tokens: bool = True, start: int = 0):
+        self.texts = texts
+        self.skip_special_tokens = skip_special_tokens
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, token_id: int, in_prompt: bool = False) -> int:
+        """The offset of ``token_id`` (appended after the previous tokens); moves past its complete characters.
+
+        ``in_prompt``: an echoed prompt token, whose text is always shown (special tokens included)."""
+        here = self.offset
+        if not in_prompt and self.skip_special_tokens and self.texts.is_special(token_id):
+            return here
+        self.offset += len(self._decoder.decode(bytes(self.texts.get(token_id)[1])))
+        return here
 
 
 @dataclass

@@ -23,6 +23,7 @@ from radixserve.engine.server.common import (
     SSE_DONE,
     SampleState,
     ServerContext,
+    TextOffsets,
     abort_error,
     chat_id,
     completion_id,
@@ -118,33 +119,32 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     def _legacy_logprobs(
-        self, lps: list[TokenLogprob], k: int, offset: int, prompt_ids: list[int] | None = None
-    ) -> tuple[CompletionLogprobs, int]:
-        """Legacy logprobs for ``prompt_ids`` (echo; logprobs unknown → null) then ``lps``; returns the next offset.
+        self, lps: list[TokenLogprob], k: int, offsets: TextOffsets, prompt_ids: list[int] | None = None
+    ) -> CompletionLogprobs:
+        """Legacy logprobs for ``prompt_ids`` (echo; logprobs unknown → null) then ``lps``.
 
-        ``top_logprobs`` holds the top ``k`` alternatives plus the sampled token (OpenAI: up to ``logprobs + 1``).
+        ``offsets`` tracks where the next token starts in the choice's text (advanced here; kept across the chunks
+        of a stream). ``top_logprobs`` holds the top ``k`` alternatives plus the sampled token (OpenAI: up to
+        ``logprobs + 1``); tokens that are not whole UTF-8 characters are shown as ``bytes:\\xNN...``.
         """
         texts = self.ctx.texts
         out = CompletionLogprobs()
         for t in prompt_ids or []:
-            text = texts.text(t)
-            out.tokens.append(text)
+            out.tokens.append(texts.legacy(t))
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
-            out.text_offset.append(offset)
-            offset += len(text)
+            out.text_offset.append(offsets.advance(t, in_prompt=True))
         for lp in lps:
-            text = texts.text(lp.token_id)
+            text = texts.legacy(lp.token_id)
             top: dict[str, float] = {}
             for t, v in lp.top[:k]:
-                top.setdefault(texts.text(t), v)
+                top.setdefault(texts.legacy(t), v)
             top.setdefault(text, lp.logprob)
             out.tokens.append(text)
             out.token_logprobs.append(lp.logprob)
             out.top_logprobs.append(top)
-            out.text_offset.append(offset)
-            offset += len(text)
-        return out, offset
+            out.text_offset.append(offsets.advance(lp.token_id))
+        return out
 
     # ------------------------------------------------------------------------------------------------ chat
 
@@ -311,7 +311,8 @@ class OpenAIServing:
                 pos = c // n
                 logprobs = None
                 if k is not None:
-                    logprobs, _ = self._legacy_logprobs(st.logprobs, k, 0, prompts[pos][1] if req.echo else None)
+                    offsets = TextOffsets(ctx.texts, sp.skip_special_tokens)
+                    logprobs = self._legacy_logprobs(st.logprobs, k, offsets, prompts[pos][1] if req.echo else None)
                 choices.append(
                     CompletionChoice(
                         index=c, text=echo_texts[pos] + st.text, logprobs=logprobs,
@@ -334,14 +335,13 @@ class OpenAIServing:
                 return sse(d)
 
             states = [SampleState() for _ in range(len(prompts) * n)]
-            offsets = [0] * len(states)
+            offsets = [TextOffsets(ctx.texts, sp.skip_special_tokens) for _ in states]
             if req.echo:
                 for c in range(len(states)):
                     pos = c // n
                     logprobs = None
                     if k is not None:
-                        logprobs, offsets[c] = self._legacy_logprobs([], k, 0, prompts[pos][1])
-                    offsets[c] = len(echo_texts[pos]) if k is None else offsets[c]
+                        logprobs = self._legacy_logprobs([], k, offsets[c], prompts[pos][1])
                     yield chunk([CompletionChoice(index=c, text=echo_texts[pos], logprobs=logprobs)])
             async for pos, out in group:
                 c = pos * n + out.index
@@ -350,7 +350,7 @@ class OpenAIServing:
                     raise abort_error(out.finish_reason)  # type: ignore[arg-type]
                 logprobs = None
                 if k is not None and out.logprobs:
-                    logprobs, offsets[c] = self._legacy_logprobs(out.logprobs, k, offsets[c])
+                    logprobs = self._legacy_logprobs(out.logprobs, k, offsets[c])
                 if not out.text and logprobs is None and out.finish_reason is None:
                     continue
                 fr = openai_finish_reason(out.finish_reason)
