@@ -648,3 +648,25 @@ def test_case10_disconnect_before_the_stream_body_starts_aborts(tok):
     (req,) = engine.requests
     assert engine.aborted == [req.rid] and not engine.running
     assert not app.state.ctx.rids._live
+
+
+def test_case10_abort_right_after_submit_is_not_lost(tok):
+    """Regression (scheduler): an abort that arrived after the loop drained its inbox but before it read the abort
+    queue was dropped (the request was not known yet), and the request then ran, unread, to max_tokens. This is
+    the window of a client that disconnects at once. The loop now drains the inbox after reading the aborts: a
+    request is always submitted before its own abort, so it is found. No forward runs (stub runner)."""
+    from types import SimpleNamespace
+
+    from radixserve.engine.io_struct import GenerateRequest, SamplingParams
+    from radixserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    outputs: list[Any] = []
+    runner = SimpleNamespace(device="cpu", max_total_tokens=64)
+    sched = Scheduler(runner, tok, SchedulerConfig(context_length=32), [2], outputs.extend)
+    sched._recv(block=False)  # the loop has just drained its (empty) inbox ...
+    sched.submit(GenerateRequest("r1", [1, 2, 3], SamplingParams(max_new_tokens=8)))  # ... then the client comes
+    sched.abort("r1")  # ... and goes
+    sched._process_aborts()
+    sched._recv(block=False)
+    assert not sched.waiting and not sched.running
+    assert [(o.rid, o.finish_reason["type"]) for o in outputs] == [("r1", "abort")]

@@ -196,6 +196,7 @@ class Scheduler:
         rids = set()
         while self.aborts:
             rids.add(self.aborts.popleft())
+        self._recv(block=False)  # a request submitted just before its abort may still be in the inbox
         outputs: list[ReqOutput] = []
         for req in [r for r in self.waiting if r.rid in rids]:
             self.waiting.remove(req)
