@@ -143,3 +143,88 @@ def test_cuda_backends_match_reference(backend_name, mode):
     pool.set_kv(1, batch.out_cache_loc, k, v)
     ref = _reference(q, pool, 1, batch, D**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+def _cascade_case(seed: int, dtype, shared: list[tuple[int, list[int]]], solo: list[int]):
+    """A DECODE batch where groups of sequences share leading slots.
+
+    ``shared``: per group, (shared prefix length, the total context length of each member); ``solo``: context lengths
+    of sequences sharing nothing. Members of a group share exactly the first ``prefix`` slots and then diverge.
+    """
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pool = KVPool(NUM_SLOTS * 4, 2, HKV, D, dtype, "cpu")
+    free = list(range(1, NUM_SLOTS * 4))
+    rng.shuffle(free)
+    slots = []
+    for prefix, members in shared:
+        common = [free.pop() for _ in range(prefix)]
+        slots += [common + [free.pop() for _ in range(n - prefix)] for n in members]
+    slots += [[free.pop() for _ in range(n)] for n in solo]
+    order = list(range(len(slots)))
+    rng.shuffle(order)  # group members are not adjacent rows of the batch
+    slots = [slots[i] for i in order]
+    _fill_pool(pool, [s[:-1] for s in slots], dtype)
+    batch = ForwardBatch.build(ForwardMode.DECODE, [[0]] * len(slots), slots)
+    B = len(slots)
+    return pool, batch, torch.randn(B, HQ, D, dtype=dtype), torch.randn(B, HKV, D, dtype=dtype), \
+        torch.randn(B, HKV, D, dtype=dtype)
+
+
+CASCADE_CASES = {
+    # prefix covers the whole context but the new token, for every sequence
+    "all_but_one": ([(40, [41, 41, 41])], []),
+    "short_prefix": ([(3, [9, 4, 20])], []),
+    "one_token_prefix": ([(1, [2, 7])], []),
+    "some_not_sharing": ([(25, [30, 26, 60])], [5, 33]),
+    "two_groups": ([(12, [13, 40]), (50, [51, 52, 90, 55])], [1]),
+    "unequal_suffix_padding": ([(20, [21, 70, 35, 22])], []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASCADE_CASES))
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_decode_cascade_matches_reference(case, dtype, atol):
+    shared, solo = CASCADE_CASES[case]
+    pool, batch, q, k, v = _cascade_case(7, dtype, shared, solo)
+    backend = TorchBackend(HQ, HKV, D, cascade_min_prefix=1)
+    backend.init_forward_metadata(batch)
+    # the cascade path is really taken, with each group's exact shared length
+    assert sorted(g.length for g in backend._decode.groups) == sorted(p for p, _ in shared)
+    for layer in range(2):
+        out = backend.forward(q, k, v, layer, pool, batch)
+        assert out.shape == (batch.batch_size, HQ * D) and out.dtype == dtype
+        ref = _reference(q, pool, layer, batch, D**-0.5)
+        torch.testing.assert_close(out.double(), ref, atol=atol, rtol=atol)
+
+
+def test_decode_cascade_partial_divergence_uses_longest_common_prefix():
+    """Sequences with the same first slot but diverging at different points share only the common part."""
+    torch.manual_seed(1)
+    pool = KVPool(300, 1, HKV, D, torch.float32, "cpu")
+    base = list(range(10, 90))
+    slots = [base[:70] + [200, 201], base[:40] + [210, 211, 212], base[:75] + [220]]
+    _fill_pool(pool, [s[:-1] for s in slots], torch.float32)
+    batch = ForwardBatch.build(ForwardMode.DECODE, [[0]] * 3, slots)
+    q, k, v = torch.randn(3, HQ, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    backend = TorchBackend(HQ, HKV, D, cascade_min_prefix=8)
+    backend.init_forward_metadata(batch)
+    assert [g.length for g in backend._decode.groups] == [40]
+    out = backend.forward(q, k, v, 0, pool, batch)
+    torch.testing.assert_close(out.double(), _reference(q, pool, 0, batch, D**-0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_cascade_thresholds():
+    """Below the prefix-length or group-size threshold the plain path runs (and agrees with the cascade)."""
+    pool, batch, q, k, v = _cascade_case(11, torch.float32, [(30, [40, 35])], [20])
+    default = TorchBackend(HQ, HKV, D)  # 30 < default minimum prefix
+    default.init_forward_metadata(batch)
+    assert default._decode.groups == []
+    too_few = TorchBackend(HQ, HKV, D, cascade_min_prefix=8, cascade_min_seqs=3)
+    too_few.init_forward_metadata(batch)
+    assert too_few._decode.groups == []
+    cascade = TorchBackend(HQ, HKV, D, cascade_min_prefix=8)
+    cascade.init_forward_metadata(batch)
+    assert [g.length for g in cascade._decode.groups] == [30]
+    plain = default.forward(q, k, v, 0, pool, batch)
+    torch.testing.assert_close(cascade.forward(q, k, v, 0, pool, batch), plain, atol=1e-5, rtol=1e-5)

@@ -2,10 +2,22 @@
 
 EXTEND: per sequence, gather the context's K/V by its slots and call SDPA with ``enable_gqa=True`` (the causal mask
 is offset by the cached prefix length; without a prefix the new K/V are used directly, no gather). This is SGLang's
-``torch_native_backend.py`` approach. DECODE: one batched, hand-written grouped-query attention over K/V gathered for
-all sequences and padded to the longest (``q`` reshaped to ``[B, Hkv, group, D]`` instead of ``repeat_interleave``,
-matmuls in the model dtype, softmax in float32 with a key-padding mask): on these AVX-512 CPUs this measured ~2x faster
-than bf16 SDPA (see shared/ENGINE_FACTS.md).
+``torch_native_backend.py`` approach.
+
+DECODE: hand-written grouped-query attention, matmuls in the model dtype, softmax in float32 (on these AVX-512 CPUs
+~2x faster than bf16 SDPA, see shared/ENGINE_FACTS.md), with two refinements:
+
+* Head-major gather. The pool stays ``[num_slots, Hkv, D]`` (flashinfer's NHD layout), but it is read as
+  ``[num_slots * Hkv, D]`` rows with the precomputed row index ``slot * Hkv + h`` ordered head-major, so the gathered
+  K/V are directly ``[Hkv * B, L, D]`` contiguous and both matmuls are plain ``bmm`` calls with no permute copies
+  (``query head h`` uses ``KV head h // group``, HF's GQA mapping, so ``q`` is only reshaped).
+* Shared-prefix (cascade) attention, after Hydragen (Juravsky et al. 2024, "Hydragen: High-Throughput LLM Inference
+  with Shared Prefixes") and flashinfer's cascade attention: sequences whose contexts start with the same KV slots
+  (radix-cache hits on one system prompt, few-shot prefix, or n-way parallel samples) are grouped; the shared prefix's
+  K/V are gathered once and every query of the group attends to it in one matmul, each sequence attends to its own
+  suffix, and the two partial results are merged exactly with their log-sum-exp:
+  ``o = o_p * exp(lse_p - lse) + o_s * exp(lse_s - lse)``, ``lse = logaddexp(lse_p, lse_s)``.
+  Used only when a group has at least ``cascade_min_seqs`` sequences sharing at least ``cascade_min_prefix`` slots.
 """
 
 from __future__ import annotations
@@ -30,18 +42,40 @@ class _ExtendSeq:
     mask: torch.Tensor | None  # bool [new, seq_len], True = may attend; None with no prefix (is_causal)
 
 
+CASCADE_MIN_PREFIX = 64  # shared slots below this: gathering per sequence costs less than an extra matmul + merge
+CASCADE_MIN_SEQS = 2
+
+
+@dataclass
+class _PrefixGroup:
+    """Decode sequences sharing their first ``length`` KV slots (cascade attention's shared level)."""
+
+    rows: torch.Tensor | None  # int64 [n] batch rows of the group; None = every row of the batch, in order
+    gather: torch.Tensor  # int64 [Hkv * length] head-major rows of the pool's [num_slots * Hkv, D] view
+    length: int
+
+
 @dataclass
 class _DecodeMeta:
-    gather: torch.Tensor  # int64 [B * max_len] slots, padded with the dummy slot 0
-    max_len: int
-    bias: torch.Tensor | None  # float32 [B, 1, 1, max_len]: 0 for real keys, -inf for padding; None if no padding
+    gather: torch.Tensor  # int64 [Hkv * B * max_len] head-major pool rows of each sequence's (unshared) suffix
+    max_len: int  # longest suffix; shorter ones are padded with the dummy slot 0
+    bias: torch.Tensor | None  # float32 [1, B, 1, max_len]: 0 for real keys, -inf for padding; None if no padding
+    groups: list[_PrefixGroup]
 
 
 class TorchBackend(AttentionBackend):
-    """SDPA for prefill/extend, grouped matmul attention for decode. See the module docstring."""
+    """SDPA for prefill/extend, grouped matmul attention (with shared-prefix cascade) for decode.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+    See the module docstring. ``cascade_min_prefix`` / ``cascade_min_seqs``: a decode group takes the cascade path only
+    with at least that many shared leading slots and sequences (a ``cascade_min_seqs`` above the batch size disables
+    it; values below 1 slot / 2 sequences are raised to those).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 cascade_min_prefix: int = CASCADE_MIN_PREFIX, cascade_min_seqs: int = CASCADE_MIN_SEQS) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.cascade_min_prefix = max(1, cascade_min_prefix)
+        self.cascade_min_seqs = max(2, cascade_min_seqs)
         self._extend: list[_ExtendSeq] = []
         self._decode: _DecodeMeta | None = None
 
@@ -49,18 +83,7 @@ class TorchBackend(AttentionBackend):
         """Per-sequence slices and masks (EXTEND) or the padded gather index and padding bias (DECODE)."""
         dev = batch.kv_indices.device
         if batch.mode == ForwardMode.DECODE:
-            lens = batch.seq_lens_cpu
-            B, max_len = len(lens), max(lens)
-            if all(n == max_len for n in lens):
-                self._decode = _DecodeMeta(batch.kv_indices, max_len, None)
-                return
-            offs = torch.arange(max_len, device=dev)
-            valid = offs.unsqueeze(0) < batch.seq_lens.unsqueeze(1)  # [B, max_len]
-            pos = (batch.kv_indptr[:-1].unsqueeze(1) + offs.unsqueeze(0)).clamp_(max=batch.kv_indices.numel() - 1)
-            gather = torch.where(valid, batch.kv_indices[pos], torch.zeros((), dtype=torch.int64, device=dev))
-            bias = torch.zeros((B, 1, 1, max_len), dtype=torch.float32, device=dev)
-            bias.masked_fill_(~valid.view(B, 1, 1, max_len), float("-inf"))
-            self._decode = _DecodeMeta(gather.reshape(-1), max_len, bias)
+            self._decode = self._decode_metadata(batch)
             return
         seqs, q0, kv0 = [], 0, 0
         for n_new, n_kv in zip(batch.extend_seq_lens_cpu, batch.seq_lens_cpu):
@@ -101,17 +124,121 @@ class TorchBackend(AttentionBackend):
             out[s.q_start : s.q_end] = o[0].transpose(0, 1)
         return out.view(T, self.num_heads * self.head_dim)
 
+    def _head_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """int64 slots ``[n]`` -> rows ``[Hkv * n]`` of the pool viewed as ``[num_slots * Hkv, D]``, head-major."""
+        heads = torch.arange(self.num_kv_heads, dtype=slots.dtype, device=slots.device)
+        return (slots.unsqueeze(0) * self.num_kv_heads + heads.unsqueeze(1)).reshape(-1)
+
+    def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
+        """Find shared-prefix groups, then build the padded head-major gather of every sequence's remaining suffix.
+
+        Groups are sequences with the same first slot; a group's shared length is the longest common prefix of its
+        slot lists, capped so every sequence keeps at least one suffix token (its new token's slot is its own).
+        """
+        dev = batch.kv_indices.device
+        lens = batch.seq_lens_cpu
+        B = len(lens)
+        indptr = batch.kv_indptr
+        starts = indptr[:-1]
+        prefix_len = [0] * B
+        groups: list[_PrefixGroup] = []
+        if B >= self.cascade_min_seqs and max(lens) > self.cascade_min_prefix:
+            by_first: dict[int, list[int]] = {}
+            for row, first in enumerate(batch.kv_indices[starts].tolist()):
+                by_first.setdefault(first, []).append(row)
+            for rows in by_first.values():
+                if len(rows) < self.cascade_min_seqs:
+                    continue
+                m = min(lens[r] for r in rows) - 1
+                if m < self.cascade_min_prefix:
+                    continue
+                rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+                pos = starts[rows_t].unsqueeze(1) + torch.arange(m, device=dev).unsqueeze(0)  # [n, m]
+                slots = batch.kv_indices[pos]
+                same = (slots == slots[:1]).all(dim=0)  # [m]
+                lcp = m if bool(same.all()) else int(same.to(torch.int8).argmin())  # first mismatch
+                if lcp < self.cascade_min_prefix:
+                    continue
+                for r in rows:
+                    prefix_len[r] = lcp
+                groups.append(_PrefixGroup(None if rows == list(range(B)) else rows_t,
+                                           self._head_rows(slots[0, :lcp]), lcp))
+        suffix = [n - p for n, p in zip(lens, prefix_len)]
+        max_len = max(suffix)
+        offs = torch.arange(max_len, device=dev)
+        if groups:
+            first = starts + torch.tensor(prefix_len, dtype=torch.int64, device=dev)
+            suf_lens = torch.tensor(suffix, dtype=torch.int64, device=dev)
+        else:
+            first, suf_lens = starts, batch.seq_lens
+        if all(n == max_len for n in suffix):
+            slots = batch.kv_indices[first.unsqueeze(1) + offs.unsqueeze(0)]  # [B, max_len]
+            bias = None
+        else:
+            valid = offs.unsqueeze(0) < suf_lens.unsqueeze(1)  # [B, max_len]
+            pos = (first.unsqueeze(1) + offs.unsqueeze(0)).clamp_(max=batch.kv_indices.numel() - 1)
+            slots = torch.where(valid, batch.kv_indices[pos], torch.zeros((), dtype=torch.int64, device=dev))
+            bias = torch.zeros((1, B, 1, max_len), dtype=torch.float32, device=dev)
+            bias.masked_fill_(~valid.view(1, B, 1, max_len), float("-inf"))
+        return _DecodeMeta(self._head_rows(slots.reshape(-1)), max_len, bias, groups)
+
     def _decode_forward(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
         meta = self._decode
         assert meta is not None, "init_forward_metadata was not called"
         B, L, Hkv, D, G = q.shape[0], meta.max_len, self.num_kv_heads, self.head_dim, self.group
         dt = q.dtype
-        keys = k_buf.index_select(0, meta.gather).view(B, L, Hkv, D).to(dt)
-        vals = v_buf.index_select(0, meta.gather).view(B, L, Hkv, D).to(dt)
-        qg = (q * self.scale).view(B, Hkv, G, D)  # query head h uses KV head h // G (HF's GQA mapping)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float()  # [B, Hkv, G, L]
+        k_rows, v_rows = k_buf.view(-1, D), v_buf.view(-1, D)  # [num_slots * Hkv, D], no copy
+        keys = k_rows.index_select(0, meta.gather).view(Hkv * B, L, D).to(dt)
+        vals = v_rows.index_select(0, meta.gather).view(Hkv * B, L, D).to(dt)
+        qh = (q * self.scale).view(B, Hkv, G, D).transpose(0, 1)  # [Hkv, B, G, D]
+        scores = torch.bmm(qh.reshape(Hkv * B, G, D), keys.transpose(1, 2)).float().view(Hkv, B, G, L)
         if meta.bias is not None:
             scores = scores + meta.bias
-        probs = torch.softmax(scores, dim=-1).to(dt)
-        o = torch.matmul(probs, vals.transpose(1, 2))  # [B, Hkv, G, D]
-        return o.reshape(B, Hkv * G * D)
+        if not meta.groups:
+            probs = torch.softmax(scores, dim=-1).to(dt).view(Hkv * B, G, L)
+            o = torch.bmm(probs, vals).view(Hkv, B, G, D)
+            return o.transpose(0, 1).reshape(B, Hkv * G * D)
+        o, lse = _partial_attention(scores, vals.view(Hkv, B, L, D), dt)  # float32 [Hkv, B, G, D], [Hkv, B, G, 1]
+        for g in meta.groups:
+            n = B if g.rows is None else g.rows.numel()
+            qg = qh if g.rows is None else qh.index_select(1, g.rows)
+            kp = k_rows.index_select(0, g.gather).view(Hkv, g.length, D).to(dt)
+            vp = v_rows.index_select(0, g.gather).view(Hkv, g.length, D).to(dt)
+            # every query of the group against the shared prefix: one [n*G, D] x [D, length] matmul per KV head
+            sp = torch.bmm(qg.reshape(Hkv, n * G, D), kp.transpose(1, 2)).float().view(Hkv, n, G, g.length)
+            op, lse_p = _partial_attention(sp, vp.unsqueeze(1), dt)
+            if g.rows is None:
+                o, lse = _merge(o, lse, op, lse_p)
+            else:
+                os_, ls_ = _merge(o.index_select(1, g.rows), lse.index_select(1, g.rows), op, lse_p)
+                o.index_copy_(1, g.rows, os_)
+                lse.index_copy_(1, g.rows, ls_)
+        return o.to(dt).transpose(0, 1).reshape(B, Hkv * G * D)
+
+
+def _partial_attention(scores: torch.Tensor, vals: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over one part of the keys, with its log-sum-exp for a later exact merge.
+
+    Args:
+        scores: float32 ``[Hkv, n, G, L]`` scaled logits (``-inf`` where masked; every row has a finite entry).
+        vals: ``[Hkv, n, L, D]`` (or ``[Hkv, 1, L, D]``, shared by all ``n``) values.
+        dt: dtype of the probability x value matmul.
+    Returns:
+        float32 ``o`` ``[Hkv, n, G, D]`` (normalised) and ``lse`` ``[Hkv, n, G, 1]``.
+    """
+    Hkv, n, G, L = scores.shape
+    m = scores.amax(dim=-1, keepdim=True)
+    p = (scores - m).exp_()
+    denom = p.sum(dim=-1, keepdim=True)
+    if vals.shape[1] == 1 and n > 1:  # shared values: fold the n sequences into the matmul's rows
+        o = torch.bmm(p.to(dt).view(Hkv, n * G, L), vals[:, 0]).view(Hkv, n, G, -1)
+    else:
+        o = torch.bmm(p.to(dt).view(Hkv * n, G, L), vals.reshape(Hkv * n, L, -1)).view(Hkv, n, G, -1)
+    return o.float() / denom, m + denom.log()
+
+
+def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two softmax-attention partials over disjoint key sets (flashinfer's ``merge_state``)."""
+    lse = torch.logaddexp(lse1, lse2)
+    return o1 * (lse1 - lse).exp() + o2 * (lse2 - lse).exp(), lse
