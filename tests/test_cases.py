@@ -253,7 +253,8 @@ def test_case2_held_back_text_is_flushed_at_length_and_eos(client, url):
 
 
 def test_case3_chat_logprobs_without_top_logprobs(url):
-    r = post(url, "/v1/chat/completions", chat_body("Copy this line exactly: Café 日本語 🙂", max_tokens=12, logprobs=True))
+    body = chat_body("Copy this line exactly: Café 日本語 🙂", max_tokens=12, logprobs=True)
+    r = post(url, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     body = r.json()
     choice = body["choices"][0]
@@ -536,18 +537,25 @@ async def _poll(c: httpx.AsyncClient, cond: Any, timeout_s: float) -> bool:
 async def _disconnect_cycle(url: str, cycle: int) -> int:
     """One cycle of case 10; returns the number of requests the engine had to abort."""
     long = {"max_tokens": C - 200, "ignore_eos": True, "temperature": 0}
+    native_long = {"max_new_tokens": C - 200, "ignore_eos": True, "temperature": 0}
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=64)) as c:
-        # 1. Non-streaming requests fill every running slot.
+        # 1. Non-streaming requests (OpenAI and native) fill every running slot.
         nonstream = [
-            asyncio.ensure_future(c.post("/v1/completions", json={"prompt": f"Cycle {cycle}, story {j}:", **long}))
+            asyncio.ensure_future(
+                c.post("/v1/completions", json={"prompt": f"Cycle {cycle}, story {j}:", **long}) if j % 2 else
+                c.post("/generate", json={"text": f"Cycle {cycle}, story {j}:", "sampling_params": native_long})
+            )
             for j in range(PER_KIND)
         ]
         assert await _poll(c, lambda v: v["num_running_reqs"] == MAX_RUNNING, 120)
 
-        # 2. Streaming requests queue behind them; each client closes after the first chunk.
+        # 2. Streaming requests (completions and chat) queue behind them; each client closes after the first chunk.
         async def first_chunk_then_close(j: int) -> str:
-            body = {"prompt": f"Cycle {cycle}, stream {j}:", "stream": True, **long}
-            async with c.stream("POST", "/v1/completions", json=body) as r:
+            if j % 2:
+                path, body = "/v1/completions", {"prompt": f"Cycle {cycle}, stream {j}:", "stream": True, **long}
+            else:
+                path, body = "/v1/chat/completions", {**chat_body(f"Cycle {cycle}, stream {j}"), "stream": True, **long}
+            async with c.stream("POST", path, json=body) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
                     if line:
