@@ -2,7 +2,9 @@
 
 EXTEND: per sequence, gather the context's K/V by its slots and call SDPA with ``enable_gqa=True`` (the causal mask
 is offset by the cached prefix length; without a prefix the new K/V are used directly, no gather). This is SGLang's
-``torch_native_backend.py`` approach.
+``torch_native_backend.py`` approach. For typical extends over a cached prefix (30-200 new tokens over 800-1500
+prefix tokens, bf16) SDPA's tiled CPU kernel measured 1.4-3.6x faster than the hand-written decode-style attention
+below (whose float32 ``[new, context]`` scores leave the cache), so EXTEND keeps SDPA.
 
 DECODE: hand-written grouped-query attention, matmuls in the model dtype, softmax in float32 (on these AVX-512 CPUs
 ~2x faster than bf16 SDPA, see shared/ENGINE_FACTS.md), with two refinements:
@@ -80,7 +82,7 @@ class TorchBackend(AttentionBackend):
         self._decode: _DecodeMeta | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Per-sequence slices and masks (EXTEND) or the padded gather index and padding bias (DECODE)."""
+        """Per-sequence slices and masks (EXTEND); shared-prefix groups, padded suffix gather and bias (DECODE)."""
         dev = batch.kv_indices.device
         if batch.mode == ForwardMode.DECODE:
             self._decode = self._decode_metadata(batch)
