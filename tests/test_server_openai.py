@@ -383,3 +383,28 @@ def test_completion_stream_echo_usage(client):
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == full["choices"][0]["text"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
     assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_preferred_sampling_params_fill_only_unset_fields(tokenizer):
+    # Regression: `radixserve up` answered OpenAI clients that send no temperature at 1.0, where the demo model rambles.
+    engine = FakeEngine(tokenizer, preferred_sampling_params='{"temperature": 0.2, "top_p": 0.9}')
+    client = TestClient(create_app(engine, manage_engine=False), raise_server_exceptions=False)
+    assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 2}).status_code == 200
+    sp = engine.requests[-1].sampling_params
+    assert (sp.temperature, sp.top_p) == (0.2, 0.9)
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 2, "temperature": 0.0, "top_p": 1.0}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    sp = engine.requests[-1].sampling_params
+    assert (sp.temperature, sp.top_p) == (0.0, 1.0)
+    r = client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2, "top_p": 0.5}})
+    assert r.status_code == 200
+    sp = engine.requests[-1].sampling_params
+    assert (sp.temperature, sp.top_p) == (0.2, 0.5)
+
+
+@pytest.mark.parametrize("text", ['{"temperature": -1}', '{"seed": 3}', "[1]", "{bad"])
+def test_preferred_sampling_params_rejects_bad_values(text):
+    from radixserve.engine.engine import parse_sampling_defaults
+
+    with pytest.raises(ValueError):
+        parse_sampling_defaults(text)

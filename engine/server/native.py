@@ -49,7 +49,8 @@ class NativeServing:
         return prompts, batch
 
     def _sampling(self, raw: dict[str, Any], prompt_len: int) -> SamplingParams:
-        sp = SamplingParams.from_dict(raw)
+        defaults = getattr(self.ctx.engine, "sampling_defaults", {})  # --preferred-sampling-params
+        sp = SamplingParams.from_dict({**defaults, **raw})
         requested = raw.get("max_new_tokens") if "max_new_tokens" in raw else None
         default = SamplingParams().max_new_tokens if "max_new_tokens" not in raw else None
         sp.max_new_tokens = None

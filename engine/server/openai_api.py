@@ -81,18 +81,19 @@ class OpenAIServing:
     def _sampling(self, req: _OpenAIRequest) -> SamplingParams:
         """SamplingParams with OpenAI's defaults; ``max_new_tokens`` is set later, once the prompt length is known."""
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        defaults = getattr(self.ctx.engine, "sampling_defaults", {})  # --preferred-sampling-params
         json_schema = req.json_schema
         if json_schema is not None and not isinstance(json_schema, str):
             json_schema = str(json_schema)
         sp = SamplingParams(
             max_new_tokens=None,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
-            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            temperature=defaults.get("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=defaults.get("top_p", 1.0) if req.top_p is None else req.top_p,
+            top_k=defaults.get("top_k", -1) if req.top_k is None else req.top_k,
+            min_p=defaults.get("min_p", 0.0) if req.min_p is None else req.min_p,
+            presence_penalty=defaults.get("presence_penalty", 0.0) if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=defaults.get("frequency_penalty", 0.0) if req.frequency_penalty is None else req.frequency_penalty,
+            repetition_penalty=defaults.get("repetition_penalty", 1.0) if req.repetition_penalty is None else req.repetition_penalty,
             seed=req.seed,
             stop=stop,
             stop_token_ids=list(req.stop_token_ids or []),
