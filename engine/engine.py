@@ -63,6 +63,11 @@ def default_served_model_name(model_path: str) -> str:
     return base.removesuffix(".gguf").lower()
 
 
+def _put_all(items: list[tuple[asyncio.Queue, ReqOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
 class Engine:
     """One engine: loads the model and tokenizer, runs the scheduler thread, streams results to asyncio callers.
 
@@ -110,8 +115,8 @@ class Engine:
             self._emit,
             self.metrics,
         )
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # rid -> (the caller's event loop, its queue of ReqOutput); callers may live on different loops (tests).
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._started = False
         self._shutting_down = False
         logger.info("engine loaded %s in %.1f s (dtype %s, KV pool %d tokens, context %d)", args.model_path,
@@ -139,20 +144,17 @@ class Engine:
 
     # ----------------------------------------------------------------------------------------------------------
     def _emit(self, outputs: list[ReqOutput]) -> None:
-        """Scheduler thread -> event loop, once per step."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(self._dispatch, outputs)
-        except RuntimeError:  # loop closed between the check and the call
-            pass
-
-    def _dispatch(self, outputs: list[ReqOutput]) -> None:
+        """Scheduler thread -> the event loop of each output's caller, once per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, ReqOutput]]] = {}
         for out in outputs:
-            q = self._streams.get(out.rid)
-            if q is not None:
-                q.put_nowait(out)
+            stream = self._streams.get(out.rid)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that caller's loop has closed; nobody is listening
+                pass
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[ReqOutput]:
         """Run ``req``; yield ``ReqOutput`` deltas of all ``n`` samples until each has finished.
@@ -172,9 +174,8 @@ class Engine:
             raise InvalidRequestError(f"request id {req.rid!r} is already in flight", "rid")
         if not req.arrival_time:
             req.arrival_time = time.monotonic()
-        self._loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[req.rid] = q
+        self._streams[req.rid] = (asyncio.get_running_loop(), q)
         remaining = req.sampling_params.n
         self.scheduler.submit(req)
         try:

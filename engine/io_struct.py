@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MAX_NEW_TOKENS = 128
+# torch.Generator.manual_seed takes [-2**63, 2**64); samples of one request use seed + index (wrapped mod 2**64).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class InvalidRequestError(ValueError):
@@ -97,8 +99,16 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 2.0:
             bad("repetition_penalty", "must be in (0, 2]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+        for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a boolean")
+        for name in ("json_schema", "regex", "ebnf"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                bad(name, "must be a string")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 128:
             bad("n", "must be an integer in [1, 128]")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

@@ -13,6 +13,8 @@ import argparse
 import logging
 import os
 import sys
+import threading
+from typing import Any
 from pathlib import Path
 
 from radixserve import constants
@@ -67,7 +69,14 @@ def run_engine(args: "EngineArgs") -> int:  # noqa: F821 - imported lazily (torc
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5
     )
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Abort in-flight requests at once (clients get an OpenAI-format 503 or a stream error event) instead
+            # of letting uvicorn wait out its graceful timeout and cancel handlers mid-response.
+            threading.Thread(target=engine.shutdown, name="radixserve-shutdown", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     log.info("serving %s on http://%s:%d", engine.served_model_name, args.host, args.port)
     server.run()
     return 0 if server.started else 1

@@ -178,3 +178,71 @@ def test_disconnects_free_everything(server, client):
     assert httpx.get(url + "/health").status_code == 200
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4 or r.choices[0].finish_reason == "stop"
+
+
+# ---- regressions from a new user's break-it session (each input once crashed or hung the engine, or gave a 500)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
+def test_out_of_range_seed_is_400_and_engine_survives(server, seed):
+    url, engine = server
+    r = httpx.post(url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2, "seed": seed}})
+    assert r.status_code == 400 and r.json()["param"] == "seed", r.text
+    r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": seed})
+    assert r.status_code == 400, r.text
+    assert engine.is_healthy()
+
+
+def test_largest_seed_with_n_samples_is_served(server):
+    url, engine = server
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 2, "seed": 2**64 - 1, "n": 2}}
+    r = httpx.post(url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(r.json()) == 2
+    assert engine.is_healthy()
+
+
+@pytest.mark.parametrize("field,value", [("skip_special_tokens", None), ("skip_special_tokens", "yes"),
+                                         ("ignore_eos", "no"), ("no_stop_trim", None), ("regex", 5)])
+def test_non_boolean_flags_are_400(server, field, value):
+    url, engine = server
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 3, field: value}}
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["param"] == field, r.text
+    assert engine.is_healthy()
+
+
+def test_lone_surrogate_is_400_everywhere(server):
+    url, engine = server
+    bad = "\ud800"
+    cases = [
+        ("/v1/completions", {"model": MODEL, "prompt": bad, "max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["ok", bad], "max_tokens": 3}, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": bad}]}, "messages"),
+        ("/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": bad}]}]}, "messages"),
+        ("/generate", {"text": bad, "sampling_params": {"max_new_tokens": 2}}, "text"),
+    ]
+    for path, body, param in cases:
+        # json.dumps escapes the surrogate as \ud800, exactly what a client sends
+        r = httpx.post(url + path, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["param"] == param, (path, r.text)
+    assert engine.is_healthy()
+
+
+def test_request_the_scheduler_cannot_take_fails_alone(server):
+    """Defence in depth: a request that slipped past validation is answered with an error; the loop survives."""
+    from radixserve.engine.io_struct import GenerateRequest, SamplingParams
+
+    url, engine = server
+
+    async def go():
+        req = GenerateRequest("bypass-validation", [1, 2, 3], SamplingParams(max_new_tokens=2, seed="x"))  # type: ignore
+        return [out async for out in engine.generate(req)]
+
+    outs = asyncio.run(go())
+    assert outs[-1].finish_reason["type"] == "abort" and outs[-1].finish_reason["status_code"] == 400
+    assert engine.is_healthy()
+    r = httpx.post(url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert r.status_code == 200

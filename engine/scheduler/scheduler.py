@@ -163,6 +163,16 @@ class Scheduler:
                 return
 
     def _add_request(self, greq: GenerateRequest) -> None:
+        try:
+            self._add_request_unchecked(greq)
+        except Exception as e:  # one bad request must not take the loop (and every other request) down
+            logger.exception("rejected request %s", greq.rid)
+            self.waiting = [r for r in self.waiting if r.rid != greq.rid]
+            fr = {"type": "abort", "matched": None, "message": f"invalid request: {e}", "status_code": 400}
+            self.emit([ReqOutput(greq.rid, i, "", [], None, fr, len(greq.input_ids), 0, 0)
+                       for i in range(max(greq.sampling_params.n, 1))])
+
+    def _add_request_unchecked(self, greq: GenerateRequest) -> None:
         params = greq.sampling_params
         # Parallel sampling shares one prefill through the radix tree; without the tree each sample prefills alone.
         fork = params.n > 1 and not self.cache.disable
@@ -177,7 +187,7 @@ class Scheduler:
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
         if seed is None:
             return None
-        return torch.Generator(device=self.device).manual_seed(seed + index)
+        return torch.Generator(device=self.device).manual_seed((seed + index) % 2**64)
 
     def _process_control(self) -> None:
         while True:

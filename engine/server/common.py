@@ -26,6 +26,16 @@ REQUEST_ID_SCOPE_KEY = "radixserve.request_id"
 _MAX_REQUEST_ID_LEN = 128
 
 
+def encode_text(tokenizer: Any, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Tokenize client text. Raises InvalidRequestError (400) for text that is not valid Unicode (lone surrogates,
+    which JSON can carry as ``\\ud800`` but the tokenizer rejects)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{param} is not valid Unicode: {e.reason} at position {e.start}", param) from e
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
     """A JSON response with the OpenAI error body."""
     return JSONResponse(error_body(message, status, param), status_code=status)

@@ -8,6 +8,7 @@ with the same shape (incremental ``text`` and ``output_ids``) plus ``index`` (th
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator
 
@@ -16,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, SamplingParams, TokenLogprob
-from radixserve.engine.server.common import SampleState, ServerContext, SSE_DONE, request_id_of, resolve_max_tokens, sse
+from radixserve.engine.server.common import SampleState, encode_text, ServerContext, SSE_DONE, request_id_of, resolve_max_tokens, sse
 from radixserve.engine.server.generation import GenerationGroup, respond
 from radixserve.protocol import MAX_TOP_LOGPROBS, GenerateReqInput
 
@@ -33,10 +34,10 @@ class NativeServing:
             raise InvalidRequestError("give exactly one of text and input_ids", "text")
         if body.text is not None:
             if isinstance(body.text, str):
-                return [tok.encode(body.text)], False
+                return [encode_text(tok, body.text, "text")], False
             if not body.text:
                 raise InvalidRequestError("text must not be an empty list", "text")
-            return [tok.encode(t) for t in body.text], True
+            return [encode_text(tok, t, "text") for t in body.text], True
         ids = body.input_ids
         if ids and isinstance(ids[0], list):
             prompts = [list(x) for x in ids]  # type: ignore[union-attr]
@@ -75,7 +76,8 @@ class NativeServing:
     async def generate(self, request: Request, body: GenerateReqInput) -> Response:
         """``POST /generate``."""
         ctx = self.ctx
-        prompts, batch = self._prompts(body)
+        # Tokenizing a multi-MiB prompt takes seconds: keep it off the event loop.
+        prompts, batch = await asyncio.to_thread(self._prompts, body)
         raw_sps = body.sampling_params
         if isinstance(raw_sps, list):
             if len(raw_sps) != len(prompts):

@@ -8,6 +8,7 @@ collect the whole answer or stream SSE chunks ending with ``data: [DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -27,6 +28,7 @@ from radixserve.engine.server.common import (
     abort_error,
     chat_id,
     completion_id,
+    encode_text,
     openai_finish_reason,
     request_id_of,
     resolve_max_tokens,
@@ -164,8 +166,7 @@ class OpenAIServing:
                 )
             k = req.top_logprobs
         sp = self._sampling(req)
-        prompt = render_prompt(ctx.engine.tokenizer, req)
-        ids = ctx.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = await asyncio.to_thread(self._chat_prompt_ids, req)  # off the event loop: may take seconds
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sp.max_new_tokens = resolve_max_tokens(requested, None, len(ids), ctx.context_length, param, "messages")
@@ -234,6 +235,11 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------------------ completions
 
+    def _chat_prompt_ids(self, req: Any) -> list[int]:
+        """Messages -> chat template -> token ids (the template adds the special tokens itself)."""
+        tok = self.ctx.engine.tokenizer
+        return encode_text(tok, render_prompt(tok, req), "messages", add_special_tokens=False)
+
     def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
         """Normalize the four ``prompt`` forms to ``[(text or None, token ids)]``."""
         tok = self.ctx.engine.tokenizer
@@ -248,7 +254,7 @@ class OpenAIServing:
         out: list[tuple[str | None, list[int]]] = []
         for item in items:
             if isinstance(item, str):
-                out.append((item, tok.encode(item)))
+                out.append((item, encode_text(tok, item, "prompt")))
             else:
                 self.ctx.check_token_ids(item, "prompt")
                 out.append((None, list(item)))
@@ -271,7 +277,7 @@ class OpenAIServing:
         if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "logprobs")
         sp = self._sampling(req)
-        prompts = self._prompts(req.prompt)
+        prompts = await asyncio.to_thread(self._prompts, req.prompt)  # off the event loop: may take seconds
         reqs_sp = []
         for _, ids in prompts:
             # Absent or null → OpenAI's 16, clamped to the room left; an explicit value is checked strictly.

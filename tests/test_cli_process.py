@@ -1,0 +1,89 @@
+"""The ``radixserve engine`` process itself: Ctrl-C with requests in flight ends them cleanly and exits promptly."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import MODEL_DIR, ROOT, requires_model
+
+pytestmark = [requires_model, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigint_with_requests_in_flight_aborts_them_and_exits(tmp_path):
+    # Regression: SIGINT waited out uvicorn's graceful timeout, then cut streams without [DONE] and answered the
+    # non-streaming request with a plain-text 500 and CancelledError tracebacks.
+    port = _free_port()
+    log = open(tmp_path / "engine.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixserve", "engine", "--model-path", MODEL_DIR, "--port", str(port),
+         "--context-length", "2048", "--max-total-tokens", "8192", "--num-threads", "2"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, "engine exited during start-up"
+            time.sleep(0.5)
+        else:
+            pytest.fail("engine did not become healthy")
+
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+        results: dict[str, object] = {}
+        started = threading.Event()
+
+        def stream():
+            lines = []
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+            results["stream"] = lines
+
+        def plain():
+            results["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        assert started.wait(120), "no streamed chunk"
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(30) in (0, 130)  # 130: uvicorn re-raises SIGINT after a clean shutdown
+        assert time.monotonic() - t0 < 10, "shutdown waited for in-flight requests instead of aborting them"
+
+        lines = results["stream"]
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2].removeprefix("data: "))
+        assert "error" in last and last["error"]["code"] == 503
+        plain = results["plain"]
+        assert plain.status_code == 503 and plain.json()["object"] == "error"
+        log.seek(0)
+        assert "Traceback" not in log.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
