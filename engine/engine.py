@@ -7,6 +7,7 @@ loop of the server, so HTTP handlers never run a forward.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -82,7 +83,10 @@ class Engine:
         self.served_model_name = args.served_model_name or default_served_model_name(args.model_path)
         t0 = time.monotonic()
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-        self.runner = ModelRunner(
+        # Every torch op of this engine (load, warm-up, scheduler loop) runs on this one thread; see Scheduler.start.
+        self._torch_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-engine")
+        self.runner = self._torch_thread.submit(
+            ModelRunner,
             args.model_path,
             dtype=args.dtype,
             device=args.device,
@@ -90,7 +94,7 @@ class Engine:
             max_total_tokens=args.max_total_tokens,
             context_length=args.context_length,
             num_threads=args.num_threads,
-        )
+        ).result()
         cfg = self.runner.model_config
         self.context_length = min(args.context_length or cfg.context_length, self.runner.max_total_tokens)
         self.vocab_size = cfg.vocab_size
@@ -99,7 +103,8 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self.metrics = EngineMetrics(self.served_model_name)
-        self.scheduler = Scheduler(
+        self.scheduler = self._torch_thread.submit(
+            Scheduler,
             self.runner,
             self.tokenizer,
             SchedulerConfig(
@@ -114,7 +119,7 @@ class Engine:
             self.eos_token_ids,
             self._emit,
             self.metrics,
-        )
+        ).result()
         # rid -> (the caller's event loop, its queue of ReqOutput); callers may live on different loops (tests).
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._started = False
@@ -126,14 +131,15 @@ class Engine:
     def start(self) -> None:
         """Warm up (one forward) and start the scheduler thread; ``is_healthy`` is True afterwards."""
         if self.args.warmup:
-            self.runner.warmup()
-        self.scheduler.start()
+            self._torch_thread.submit(self.runner.warmup).result()
+        self.scheduler.start(self._torch_thread)
         self._started = True
 
     def shutdown(self) -> None:
         """Stop the scheduler; every request in flight finishes with an abort."""
         self._shutting_down = True
         self.scheduler.stop()
+        self._torch_thread.shutdown(wait=False)
 
     def is_healthy(self) -> bool:
         return self._started and not self._shutting_down and self.scheduler.alive
