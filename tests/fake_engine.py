@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import pytest
 from transformers import AutoTokenizer
 
 from radixserve.engine.config import EngineArgs
@@ -195,3 +196,26 @@ def wait_until(cond: Any, timeout_s: float = 20.0) -> bool:
             return bool(cond())
         time.sleep(0.05)
     return True
+
+
+# ---- pytest fixtures shared by the HTTP-layer tests (import them into a test module to use them)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer()
+
+
+@pytest.fixture
+def engine(tokenizer: Any, request: Any) -> "FakeEngine":
+    """A fresh fake engine; a test module may set ``FAKE_CONTEXT_LENGTH`` (default 2048 tokens)."""
+    return FakeEngine(tokenizer, context_length=getattr(request.module, "FAKE_CONTEXT_LENGTH", 2048))
+
+
+@pytest.fixture
+def client(engine: "FakeEngine") -> Any:
+    from fastapi.testclient import TestClient
+
+    from radixserve.engine.server.http import create_app
+
+    return TestClient(create_app(engine, manage_engine=False), raise_server_exceptions=False)

@@ -228,3 +228,78 @@ def test_decode_cascade_thresholds():
     assert [g.length for g in cascade._decode.groups] == [30]
     plain = default.forward(q, k, v, 0, pool, batch)
     torch.testing.assert_close(cascade.forward(q, k, v, 0, pool, batch), plain, atol=1e-5, rtol=1e-5)
+
+
+def _extend_cascade_case(seed: int, dtype, groups: list[tuple[int, list[tuple[int, int]]]], solo: list[tuple[int, int]]):
+    """An EXTEND batch where groups of sequences share leading cached slots.
+
+    ``groups``: per group, (shared length, per member (cached prefix length >= shared, new tokens)); members share
+    exactly the first ``shared`` slots, then have their own rest of prefix and new slots. ``solo``: (cached prefix,
+    new) of sequences sharing nothing (prefix 0 = plain prefill). Rows are shuffled so members are not adjacent.
+    """
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pool = KVPool(NUM_SLOTS * 4, 2, HKV, D, dtype, "cpu")
+    free = list(range(1, NUM_SLOTS * 4))
+    rng.shuffle(free)
+    specs = []  # (slots, new)
+    for shared, members in groups:
+        common = [free.pop() for _ in range(shared)]
+        specs += [(common + [free.pop() for _ in range(p - shared + n)], n) for p, n in members]
+    specs += [([free.pop() for _ in range(p + n)], n) for p, n in solo]
+    rng.shuffle(specs)
+    _fill_pool(pool, [s[: len(s) - n] for s, n in specs], dtype)
+    batch = ForwardBatch.build(ForwardMode.EXTEND, [[0] * n for _, n in specs], [s for s, _ in specs])
+    T = batch.num_tokens
+    return pool, batch, torch.randn(T, HQ, D, dtype=dtype), torch.randn(T, HKV, D, dtype=dtype), \
+        torch.randn(T, HKV, D, dtype=dtype)
+
+
+EXTEND_CASCADE_CASES = {
+    # the whole cached prefix is shared (the few-shot workload): the suffix part is only the causal new tokens
+    "fewshot": ([(40, [(40, 5), (40, 1), (40, 9), (40, 3)])], []),
+    # members own more cached slots after the shared part (partial prefix sharing)
+    "partial_prefix": ([(20, [(20, 4), (35, 2), (27, 6)])], []),
+    "some_not_sharing_and_no_prefix": ([(25, [(30, 3), (25, 7)])], [(0, 6), (12, 2), (0, 1), (25, 3)]),
+    "two_groups": ([(12, [(12, 2), (30, 5)]), (50, [(51, 1), (50, 4), (60, 8)])], [(0, 4)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXTEND_CASCADE_CASES))
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_extend_cascade_matches_reference(case, dtype, atol):
+    groups, solo = EXTEND_CASCADE_CASES[case]
+    pool, batch, q, k, v = _extend_cascade_case(9, dtype, groups, solo)
+    backend = TorchBackend(HQ, HKV, D, cascade_min_prefix=1)
+    backend.init_forward_metadata(batch)
+    # the cascade path is really taken, with each group's exact shared length and all its members' new tokens
+    assert sorted(g.length for g in backend._extend_groups) == sorted(sh for sh, _ in groups)
+    assert sorted(g.q_rows.numel() for g in backend._extend_groups) == sorted(sum(n for _, n in m) for _, m in groups)
+    for layer in range(2):
+        out = backend.forward(q, k, v, layer, pool, batch)
+        assert out.shape == (batch.num_tokens, HQ * D) and out.dtype == dtype
+        ref = _reference(q, pool, layer, batch, D**-0.5)
+        torch.testing.assert_close(out.double(), ref, atol=atol, rtol=atol)
+
+
+def test_extend_cascade_shared_length_capped_at_cached_prefix():
+    """Sequences over the same slot run share only up to the shortest cached prefix, never new tokens."""
+    torch.manual_seed(2)
+    pool = KVPool(300, 1, HKV, D, torch.float32, "cpu")
+    base = list(range(10, 110))
+    # identical leading 100 slots, but the first sequence's cached prefix ends at 60 (its new tokens are 60..63)
+    slots = [base[:64], base[:80] + [200, 201], base[:70] + [210]]
+    news = [4, 2, 1]
+    _fill_pool(pool, [s[: len(s) - n] for s, n in zip(slots, news)], torch.float32)
+    batch = ForwardBatch.build(ForwardMode.EXTEND, [[0] * n for n in news], slots)
+    T = batch.num_tokens
+    q, k, v = torch.randn(T, HQ, D), torch.randn(T, HKV, D), torch.randn(T, HKV, D)
+    backend = TorchBackend(HQ, HKV, D, cascade_min_prefix=8)
+    backend.init_forward_metadata(batch)
+    assert [g.length for g in backend._extend_groups] == [60]
+    plain = TorchBackend(HQ, HKV, D, cascade_min_seqs=4)  # group too small: per-sequence SDPA
+    plain.init_forward_metadata(batch)
+    assert plain._extend_groups == []
+    out = backend.forward(q, k, v, 0, pool, batch)
+    torch.testing.assert_close(out.double(), _reference(q, pool, 0, batch, D**-0.5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, plain.forward(q, k, v, 0, pool, batch), atol=1e-5, rtol=1e-5)

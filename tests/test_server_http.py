@@ -5,26 +5,14 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from fake_engine import FakeEngine, ServerThread, load_tokenizer, wait_until
+from fake_engine import client, engine, tokenizer  # noqa: F401 - shared pytest fixtures
+from fake_engine import FakeEngine, ServerThread, wait_until
 from radixserve.engine.server.common import RidRegistry
 from radixserve.engine.server.http import create_app
 
 MSGS = [{"role": "user", "content": "Say hello."}]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture
-def engine(tokenizer):
-    return FakeEngine(tokenizer, context_length=2048)
-
-
-@pytest.fixture
-def client(engine):
-    return TestClient(create_app(engine, manage_engine=False), raise_server_exceptions=False)
 
 
 def test_health(client, engine):

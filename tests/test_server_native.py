@@ -1,25 +1,12 @@
 """Native POST /generate over a fake engine (tests/fake_engine.py)."""
 
 import pytest
-from fastapi.testclient import TestClient
 
-from fake_engine import FakeEngine, load_tokenizer, sse_payloads
-from radixserve.engine.server.http import create_app
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
+from fake_engine import client, engine, tokenizer  # noqa: F401 - shared pytest fixtures
+from fake_engine import sse_payloads
 
 
-@pytest.fixture
-def engine(tokenizer):
-    return FakeEngine(tokenizer, context_length=256)
-
-
-@pytest.fixture
-def client(engine):
-    return TestClient(create_app(engine, manage_engine=False), raise_server_exceptions=False)
+FAKE_CONTEXT_LENGTH = 256
 
 
 def test_single_text(client, engine, tokenizer):

@@ -3,7 +3,8 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from fake_engine import FakeEngine, load_tokenizer, sse_payloads
+from fake_engine import client, engine, tokenizer  # noqa: F401 - shared pytest fixtures
+from fake_engine import FakeEngine, sse_payloads
 from radixserve import constants
 from radixserve.engine.server.http import create_app
 
@@ -11,19 +12,6 @@ MODEL = "smollm2-135m-instruct"
 MSGS = [{"role": "user", "content": "Say hello."}]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture
-def engine(tokenizer):
-    return FakeEngine(tokenizer, context_length=2048)
-
-
-@pytest.fixture
-def client(engine):
-    return TestClient(create_app(engine, manage_engine=False), raise_server_exceptions=False)
 
 
 def chat_ids(tokenizer, messages):
