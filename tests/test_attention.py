@@ -230,7 +230,8 @@ def test_decode_cascade_thresholds():
     torch.testing.assert_close(cascade.forward(q, k, v, 0, pool, batch), plain, atol=1e-5, rtol=1e-5)
 
 
-def _extend_cascade_case(seed: int, dtype, groups: list[tuple[int, list[tuple[int, int]]]], solo: list[tuple[int, int]]):
+def _extend_cascade_case(seed: int, dtype, groups: list[tuple[int, list[tuple[int, int]]]],
+                         solo: list[tuple[int, int]]):
     """An EXTEND batch where groups of sequences share leading cached slots.
 
     ``groups``: per group, (shared length, per member (cached prefix length >= shared, new tokens)); members share
