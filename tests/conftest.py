@@ -18,3 +18,10 @@ requires_model = pytest.mark.skipif(
     reason="demo model not converted; run `make install`",
 )
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# CI runs with CI=true: derandomized hypothesis, so a landing never hinges on a lucky draw; local runs explore anew.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    _hypothesis_settings.load_profile("ci")
