@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p_engine)
     p_up = sub.add_parser("up", help=f"run the local stack on {constants.PUBLIC_HOST}:{constants.PUBLIC_PORT}")
     add_engine_args(p_up)
-    # The demo model's card recommends temperature 0.2, top_p 0.9; at OpenAI's default temperature 1.0 a 135M model
-    # rambles. Requests that set these fields still get what they ask for.
+    # At OpenAI's default temperature 1.0 the 4-bit 135M demo model rambles (see DEMO_MODEL_SAMPLING_DEFAULTS);
+    # requests that set temperature still get what they ask for.
     p_up.set_defaults(host=constants.PUBLIC_HOST, port=constants.PUBLIC_PORT, model_path=constants.DEMO_MODEL_DIR,
                       preferred_sampling_params=constants.DEMO_MODEL_SAMPLING_DEFAULTS)
     for name, issue in _NOT_YET.items():

@@ -18,6 +18,11 @@ def test_up_defaults_to_the_public_endpoint_and_demo_model():
     ns = build_parser().parse_args(["up"])
     assert (ns.host, ns.port) == (constants.PUBLIC_HOST, constants.PUBLIC_PORT)
     assert ns.model_path == constants.DEMO_MODEL_DIR
+    # Regression: `up` answered "What is the capital of France?" incoherently about half the time when sampling.
+    from radixserve.engine.engine import parse_sampling_defaults
+
+    assert parse_sampling_defaults(ns.preferred_sampling_params) == {"temperature": 0.0}
+    assert build_parser().parse_args(["engine"]).preferred_sampling_params is None
     ns = build_parser().parse_args(["up", "--context-length", "2048", "--port", "9000"])
     assert ns.context_length == 2048 and ns.port == 9000
 
