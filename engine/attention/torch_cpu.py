@@ -138,30 +138,45 @@ class TorchBackend(AttentionBackend):
         cands = [r for r in range(B) if prefixes[r] >= self.cascade_min_prefix]
         if len(cands) < self.cascade_min_seqs:
             return shared, groups
+        q_starts = [0]
+        for e in batch.extend_seq_lens_cpu:
+            q_starts.append(q_starts[-1] + e)
+        for rows, _, shared_slots, lcp in self._prefix_groups(batch, cands, prefixes):
+            for r in rows:
+                shared[r] = lcp
+            q_rows = torch.cat([torch.arange(q_starts[r], q_starts[r + 1], device=dev) for r in rows])
+            groups.append(_ExtendGroup(q_rows, self._head_rows(shared_slots), lcp))
+        return shared, groups
+
+    def _prefix_groups(self, batch: ForwardBatch, cands: list[int], caps: list[int]
+                       ) -> list[tuple[list[int], torch.Tensor, torch.Tensor, int]]:
+        """Shared-prefix groups among the sequences ``cands`` of ``batch`` (shared by DECODE and EXTEND).
+
+        Sequences are grouped by their first KV slot; a group's shared length is the longest common prefix of its
+        members' slot lists, capped at the smallest ``caps[r]`` (tokens). Returns ``(rows, rows as int64 tensor,
+        shared slots [lcp], lcp)`` for groups of at least ``cascade_min_seqs`` sharing ``cascade_min_prefix`` slots.
+        """
+        dev = batch.kv_indices.device
         starts = batch.kv_indptr[:-1]
         by_first: dict[int, list[int]] = {}
         firsts = batch.kv_indices[starts[torch.tensor(cands, dtype=torch.int64, device=dev)]].tolist()
         for row, first in zip(cands, firsts):
             by_first.setdefault(first, []).append(row)
-        q_starts = [0]
-        for e in batch.extend_seq_lens_cpu:
-            q_starts.append(q_starts[-1] + e)
+        out = []
         for rows in by_first.values():
             if len(rows) < self.cascade_min_seqs:
                 continue
-            m = min(prefixes[r] for r in rows)
+            m = min(caps[r] for r in rows)
+            if m < self.cascade_min_prefix:
+                continue
             rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
             pos = starts[rows_t].unsqueeze(1) + torch.arange(m, device=dev).unsqueeze(0)  # [n, m]
             slots = batch.kv_indices[pos]
             same = (slots == slots[:1]).all(dim=0)  # [m]
             lcp = m if bool(same.all()) else int(same.to(torch.int8).argmin())  # first mismatch
-            if lcp < self.cascade_min_prefix:
-                continue
-            for r in rows:
-                shared[r] = lcp
-            q_rows = torch.cat([torch.arange(q_starts[r], q_starts[r + 1], device=dev) for r in rows])
-            groups.append(_ExtendGroup(q_rows, self._head_rows(slots[0, :lcp]), lcp))
-        return shared, groups
+            if lcp >= self.cascade_min_prefix:
+                out.append((rows, rows_t, slots[0, :lcp], lcp))
+        return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_pool: KVPool,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -273,26 +288,12 @@ class TorchBackend(AttentionBackend):
         prefix_len = [0] * B
         groups: list[_PrefixGroup] = []
         if B >= self.cascade_min_seqs and max(lens) > self.cascade_min_prefix:
-            by_first: dict[int, list[int]] = {}
-            for row, first in enumerate(batch.kv_indices[starts].tolist()):
-                by_first.setdefault(first, []).append(row)
-            for rows in by_first.values():
-                if len(rows) < self.cascade_min_seqs:
-                    continue
-                m = min(lens[r] for r in rows) - 1
-                if m < self.cascade_min_prefix:
-                    continue
-                rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-                pos = starts[rows_t].unsqueeze(1) + torch.arange(m, device=dev).unsqueeze(0)  # [n, m]
-                slots = batch.kv_indices[pos]
-                same = (slots == slots[:1]).all(dim=0)  # [m]
-                lcp = m if bool(same.all()) else int(same.to(torch.int8).argmin())  # first mismatch
-                if lcp < self.cascade_min_prefix:
-                    continue
+            caps = [n - 1 for n in lens]  # every sequence keeps at least its new token's slot as its own
+            for rows, rows_t, shared_slots, lcp in self._prefix_groups(batch, list(range(B)), caps):
                 for r in rows:
                     prefix_len[r] = lcp
                 groups.append(_PrefixGroup(None if rows == list(range(B)) else rows_t,
-                                           self._head_rows(slots[0, :lcp]), lcp))
+                                           self._head_rows(shared_slots), lcp))
         suffix = [n - p for n, p in zip(lens, prefix_len)]
         max_len = max(suffix)
         offs = torch.arange(max_len, device=dev)

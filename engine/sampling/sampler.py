@@ -126,6 +126,13 @@ def _flat_index(rows: list[int], token_lists: list[list[int]], device: torch.dev
     return row_idx.to(device), tok_idx.to(device)
 
 
+def _per_token(values: list[float], token_lists: list[list[int]], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """``[sum(len(t) for t in token_lists)]``: ``values[i]`` repeated once per entry of ``token_lists[i]``."""
+    v = torch.tensor(values, dtype=dtype)
+    return torch.repeat_interleave(v, torch.tensor([len(t) for t in token_lists])).to(device)
+
+
 def apply_penalties(
     logits: torch.Tensor, params: list[SamplingParams], output_ids: list[list[int]], prompt_ids: list[list[int]]
 ) -> None:
@@ -143,8 +150,7 @@ def apply_penalties(
     if rep_rows:
         seen = [prompt_ids[i] + output_ids[i] for i in rep_rows]
         row_idx, tok_idx = _flat_index(rep_rows, seen, device)
-        penalty = torch.tensor([params[i].repetition_penalty for i in rep_rows], dtype=logits.dtype)
-        penalty = torch.repeat_interleave(penalty, torch.tensor([len(s) for s in seen])).to(device)
+        penalty = _per_token([params[i].repetition_penalty for i in rep_rows], seen, logits.dtype, device)
         vals = logits[row_idx, tok_idx]
         # A token seen twice gets the same value written twice (non-accumulating put): penalised once, as HF.
         logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
@@ -153,16 +159,14 @@ def apply_penalties(
     if pres_rows:
         outs = [output_ids[i] for i in pres_rows]
         row_idx, tok_idx = _flat_index(pres_rows, outs, device)
-        pres = torch.tensor([params[i].presence_penalty for i in pres_rows], dtype=logits.dtype)
-        pres = torch.repeat_interleave(pres, torch.tensor([len(o) for o in outs])).to(device)
+        pres = _per_token([params[i].presence_penalty for i in pres_rows], outs, logits.dtype, device)
         logits[row_idx, tok_idx] = logits[row_idx, tok_idx] - pres  # once per distinct token
 
     freq_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 and output_ids[i]]
     if freq_rows:
         outs = [output_ids[i] for i in freq_rows]
         row_idx, tok_idx = _flat_index(freq_rows, outs, device)
-        freq = torch.tensor([params[i].frequency_penalty for i in freq_rows], dtype=logits.dtype)
-        freq = torch.repeat_interleave(freq, torch.tensor([len(o) for o in outs])).to(device)
+        freq = _per_token([params[i].frequency_penalty for i in freq_rows], outs, logits.dtype, device)
         # accumulate=True sums duplicates: each occurrence subtracts the penalty once -> count * penalty.
         logits.index_put_((row_idx, tok_idx), -freq, accumulate=True)
 
