@@ -302,7 +302,7 @@ class Scheduler:
             if match is not None:
                 self.cache.inc_lock_ref(match.last_node)
             reserve_req = self._decode_reserve([req])
-            free = self._available_tokens() - self._locked_by_batch(batch)
+            free = self._available_tokens() - self._pending_extend_tokens(batch)
             if chunk + reserve + reserve_req > free and not (not batch and not self.running and chunk <= free):
                 # (an empty engine admits what fits without the decode reserve: nothing else could free memory)
                 if match is not None:
@@ -324,7 +324,8 @@ class Scheduler:
                 break
         return batch
 
-    def _locked_by_batch(self, batch: list[Req]) -> int:
+    def _pending_extend_tokens(self, batch: list[Req]) -> int:
+        """Slots the admitted (not yet allocated) extends of ``batch`` will take, tokens."""
         return sum(r.extend_len for r in batch)
 
     def _start_req(self, req: Req, match: Any) -> bool:
@@ -407,8 +408,7 @@ class Scheduler:
         rows: list[int] = []
         samplers: list[Req] = []
         for i, req in done:
-            if not self.cache.disable:
-                self._cache_unfinished(req)
+            self._cache_unfinished(req)  # no-op with the radix cache disabled
             if req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "matched": None}, outputs)
                 continue
