@@ -104,3 +104,23 @@ ERROR_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+# Router metrics (names without ROUTER_METRIC_PREFIX) and labels
+ROUTER_COUNTERS = (
+    "requests_total",  # labels: model, code
+    "decisions_total",  # labels: reason
+    "retries_total",
+    "ejections_total",
+    "predicted_cached_tokens_total",
+    "actual_cached_tokens_total",
+)
+ROUTER_GAUGES = (
+    "worker_inflight_requests",  # labels: worker
+    "worker_inflight_tokens",  # labels: worker
+    "discovery_age_seconds",
+)
+ROUTER_HISTOGRAMS = ("request_duration_seconds", "ttft_seconds")
+
+# Engine endpoint serving its tokenizer's files (so routers key on token blocks without storing the model)
+ENGINE_TOKENIZER_FILES_PATH = "/get_tokenizer_files"
+ROUTER_READY_PATH = "/ready"

@@ -1,0 +1,83 @@
+"""Types shared by the router's parts: prefix keys, worker load views, routing decisions, discovered endpoints.
+
+Import direction inside router/: types <- prefix_key, policy, discovery <- workers, proxy <- app. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, Sequence
+
+RouteReason = Literal["prefix-hit", "load-spill", "fallback", "retry"]
+
+
+@dataclass(frozen=True)
+class PrefixKey:
+    """What the router knows about a request's prompt, as the engine will cache it.
+
+    ``blocks`` are chained hashes (64-bit ints) of consecutive full blocks of the rendered prompt: block ``i``'s hash
+    covers blocks ``0..i`` and the namespace (model name and cache salt), so equal hashes mean equal prefixes.
+    ``routing_key`` is the hash of the first K blocks (fewer when the prompt is shorter; the namespace hash alone
+    when it has no full block). ``kind`` says whether blocks are token ids (the router has the model's tokenizer) or
+    characters. ``prompt_tokens`` is the prompt length in tokens (exact for ``tokens``, estimated for ``chars``);
+    ``block_tokens`` is how many tokens one block covers (estimated for ``chars``).
+    """
+
+    model: str
+    kind: Literal["tokens", "chars"]
+    blocks: tuple[int, ...]
+    routing_key: int
+    prompt_tokens: int
+    block_tokens: int
+
+
+@dataclass
+class WorkerLoad:
+    """A routable worker as a policy sees it: its URL and what this router has in flight on it.
+
+    ``inflight_tokens`` = sum over its in-flight requests of (uncached prompt tokens + remaining max_tokens).
+    """
+
+    url: str
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """One candidate worker, why it was picked, and how many prompt tokens the router predicts it has cached."""
+
+    worker: str
+    reason: RouteReason
+    predicted_cached_tokens: int = 0
+
+
+class RoutingPolicy(Protocol):
+    """Orders the routable workers for one request (first = the choice, the rest = retry candidates in order)."""
+
+    name: str
+
+    def set_workers(self, urls: Sequence[str]) -> None:
+        """All workers this policy may see (e.g. to build a hash ring); ``rank`` gets a subset of them."""
+
+    def rank(self, key: PrefixKey | None, workers: Sequence[WorkerLoad], cost_tokens: int) -> list[RouteDecision]:
+        """Every worker of ``workers`` exactly once, best first. ``cost_tokens`` is the load this request adds.
+        ``key`` is None when the request has no prompt to key on (the policy falls back to load)."""
+
+    def record(self, worker: str, key: PrefixKey) -> None:
+        """The request with ``key`` was sent to ``worker`` (the engine will now cache its blocks)."""
+
+    def forget_worker(self, worker: str) -> None:
+        """``worker`` left (its cache is gone)."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A discovered engine endpoint. ``url`` like ``http://10.0.0.7:30000``; ``service`` the engine Service name;
+    ``inference_service`` the ``radixserve.io/inference-service`` label value (None for static URLs)."""
+
+    url: str
+    service: str | None = None
+    inference_service: str | None = None
+    pod: str | None = None
+    labels: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
