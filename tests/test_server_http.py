@@ -150,3 +150,23 @@ def test_client_disconnect_aborts_generation(tokenizer):
         body = {"messages": MSGS, "max_tokens": 2}
         r = httpx.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": "ok"})
         assert r.status_code == 200 and "ok" not in engine.aborted
+
+
+def test_tokenizer_files_rebuild_the_same_tokenizer(client, tokenizer, tmp_path):
+    """A router rebuilds the engine's tokenizer (and chat template) from /get_tokenizer_files alone."""
+    from transformers import AutoTokenizer
+
+    resp = client.get("/get_tokenizer_files")
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["model"] == "smollm2-135m-instruct"
+    assert "tokenizer.json" in body["files"]
+    for name, text in body["files"].items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    rebuilt = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "Hello there! Ünïcödé café, 日本語 🙂"
+    assert rebuilt.encode(text) == tokenizer.encode(text)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert rebuilt.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    )

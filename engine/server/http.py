@@ -2,7 +2,7 @@
 
 Routes: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``POST /flush_cache``,
-``POST /abort_request``, ``GET /metrics``. Every error is the OpenAI error body (``radixserve.protocol.error_body``):
+``POST /abort_request``, ``GET /metrics``, ``GET /get_tokenizer_files`` (for routers that key on token blocks). Every error is the OpenAI error body (``radixserve.protocol.error_body``):
 validation errors are 400 (not FastAPI's 422), unexpected exceptions 500 without a traceback. A pure-ASGI middleware
 assigns and echoes ``x-request-id``, enforces the request body limit (413) and the optional bearer API key (401).
 The HTTP event loop never runs a model forward: the engine's scheduler thread does.
@@ -258,12 +258,41 @@ def create_app(engine: "Engine", manage_engine: bool = True) -> FastAPI:
         engine.abort(rid)
         return JSONResponse({"success": True})
 
+    tokenizer_files: dict[str, str] = {}
+
+    @app.get(constants.ENGINE_TOKENIZER_FILES_PATH)
+    async def get_tokenizer_files() -> JSONResponse:
+        if not tokenizer_files:
+            tokenizer_files.update(await asyncio.to_thread(saved_tokenizer_files, engine.tokenizer))
+        if not tokenizer_files:
+            return error_response("this engine's tokenizer cannot be served as text files", 404)
+        return JSONResponse({"model": ctx.model_name, "files": tokenizer_files})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         content, content_type = engine.metrics.render()
         return Response(content=content, media_type=content_type)
 
     return app
+
+
+def saved_tokenizer_files(tokenizer: Any) -> dict[str, str]:
+    """The text files ``tokenizer.save_pretrained`` writes (tokenizer.json, tokenizer_config.json, chat template...),
+    by file name, so a router can rebuild the same tokenizer and chat template without storing the model."""
+    import os
+    import tempfile
+
+    files: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="radixserve-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        for name in sorted(os.listdir(tmp)):
+            try:
+                with open(os.path.join(tmp, name), encoding="utf-8") as f:
+                    files[name] = f.read()
+            except (UnicodeDecodeError, IsADirectoryError):  # a binary vocab (sentencepiece .model) cannot go in JSON
+                logger.warning("tokenizer file %s is not text; routers fall back to character blocks", name)
+                return {}
+    return files
 
 
 def _log_start_failure(task: "asyncio.Future[None]") -> None:
