@@ -1,0 +1,236 @@
+"""Prefix keys: a request's prompt as the engine will cache it, cut into blocks and chain-hashed.
+
+With the model's tokenizer (rebuilt from the engine's ``/get_tokenizer_files``, see ``router/tokenizer.py``) the prompt
+is rendered exactly as the engine renders it (chat template, then token ids), so block ``i`` names the same tokens the
+engine's radix cache holds. Without one, the rendered text is cut into character blocks (as GIE's prefix scorer and
+SGLang's router do with raw text). Block hashes are chained (vLLM's prefix-caching block hash; GIE's prefix scorer):
+``h_0 = H(namespace)``, ``h_i = H(h_{i-1} || block_i)``, so one 64-bit hash names a whole prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from array import array
+from hashlib import blake2b
+from typing import Any, Literal
+
+from radixserve.router.types import PrefixKey
+
+Endpoint = Literal["chat", "completions", "generate"]
+
+# The engine's roles (engine/server/chat.py); anything else it answers with 400, so no key.
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# 4-byte unsigned token ids: vocabularies stay far below 2**32.
+_ID_TYPECODE = "I" if array("I").itemsize == 4 else "L"
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def _digest(data: bytes) -> bytes:
+    return blake2b(data, digest_size=8).digest()
+
+
+def _as_int(digest: bytes) -> int:
+    return int.from_bytes(digest, "little")
+
+
+def _flatten_content(content: Any) -> str | None:
+    """A message's content as the engine flattens it (text parts joined by "\\n"); None where the engine answers 400."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts: list[str] = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            return None  # non-text parts and malformed text parts are 400 at the engine
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _chat_messages(body: dict) -> list[dict[str, Any]] | None:
+    """``body["messages"]`` normalized as engine/server/chat.py ``render_prompt`` does: role "developer" -> "system",
+    content flattened, ``name`` kept. None for anything the engine rejects."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        return None
+    messages: list[dict[str, Any]] = []
+    for m in raw:
+        if not isinstance(m, dict):
+            return None
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            return None
+        content = _flatten_content(m.get("content"))
+        if content is None:
+            return None
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                return None
+            msg["name"] = name
+        messages.append(msg)
+    return messages
+
+
+def _chars_chat(messages: list[dict[str, Any]]) -> str:
+    """A deterministic text rendering of chat messages for character keys (the engine's template is unknown here).
+    Turn n's rendering is a prefix of turn n+1's, as with real chat templates."""
+    parts = []
+    for m in messages:
+        name = f":{m['name']}" if "name" in m else ""
+        parts.append(f"<|{m['role']}{name}|>\n{m['content']}\n")
+    return "".join(parts)
+
+
+class PrefixKeyExtractor:
+    """Computes a request's ``PrefixKey`` (see ``router/types.py``) from its JSON body.
+
+    ``block_tokens``: tokens per block (token keys); ``block_chars``: characters per block when the router has no
+    tokenizer for the model (then ``block_tokens`` is estimated as ``block_chars // 4``); ``prefix_blocks``: K, the
+    blocks the ring routing key covers; ``max_blocks``: at most this many blocks are hashed (longer prompts keep
+    their first ``max_blocks``). Costs one chat-template render, one ``encode`` and one 8-byte blake2b per block.
+    """
+
+    def __init__(self, block_tokens: int = 16, block_chars: int = 64, prefix_blocks: int = 8, max_blocks: int = 512):
+        if min(block_tokens, block_chars, prefix_blocks, max_blocks) < 1:
+            raise ValueError("block_tokens, block_chars, prefix_blocks and max_blocks must be >= 1")
+        self.block_tokens = block_tokens
+        self.block_chars = block_chars
+        self.prefix_blocks = prefix_blocks
+        self.max_blocks = max_blocks
+        self._tokenizers: dict[str, Any] = {}
+
+    def set_tokenizer(self, model: str, tokenizer: Any) -> None:
+        """Key ``model``'s requests on token blocks from now on (``tokenizer`` is a Hugging Face tokenizer)."""
+        self._tokenizers[model] = tokenizer
+
+    def has_tokenizer(self, model: str) -> bool:
+        """Whether ``model``'s requests are keyed on tokens (else on characters)."""
+        return model in self._tokenizers
+
+    def extract(self, endpoint: str, body: dict, model: str) -> PrefixKey | None:
+        """The prefix key of a request to ``endpoint`` ("chat" = /v1/chat/completions, "completions" =
+        /v1/completions, "generate" = native /generate) for ``model``.
+
+        Renders the prompt as the engine does (chat: template with ``add_generation_prompt=True`` then
+        ``encode(add_special_tokens=False)``; completions / generate text: ``encode`` with special tokens; token-id
+        prompts as given; batches: the first prompt). Returns None, never raises, for a body the engine would reject
+        (it answers 400 itself) or an unknown endpoint.
+        """
+        if not isinstance(body, dict) or not isinstance(model, str):
+            return None
+        salt = body.get("cache_salt")
+        tokenizer = self._tokenizers.get(model)
+        if endpoint == "chat":
+            messages = _chat_messages(body)
+            if messages is None:
+                return None
+            if tokenizer is None:
+                return self._chars_key(_chars_chat(messages), model, salt)
+            if getattr(tokenizer, "chat_template", None) is None:
+                return None  # the engine refuses chat for a model without a template
+            try:
+                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception:  # noqa: BLE001 - a template refusing these messages is the engine's 400
+                return None
+            if not isinstance(prompt, str):
+                return None
+            return self._text_key(prompt, model, salt, tokenizer, add_special_tokens=False)
+        if endpoint == "completions":
+            return self._prompt_key(body.get("prompt"), model, salt, tokenizer)
+        if endpoint == "generate":
+            text, ids = body.get("text"), body.get("input_ids")
+            if (text is None) == (ids is None):
+                return None  # the engine wants exactly one of them
+            return self._prompt_key(text if text is not None else ids, model, salt, tokenizer, ids_only=text is None)
+        return None
+
+    # ------------------------------------------------------------------------------------------------ prompt forms
+
+    def _prompt_key(
+        self, prompt: Any, model: str, salt: Any, tokenizer: Any, ids_only: bool = False
+    ) -> PrefixKey | None:
+        """A completions ``prompt`` / generate ``text`` or ``input_ids``: a string, token ids, or a batch of either
+        (keyed on its first element)."""
+        if isinstance(prompt, str) and not ids_only:
+            if tokenizer is None:
+                return self._chars_key(prompt, model, salt)
+            return self._text_key(prompt, model, salt, tokenizer, add_special_tokens=True)
+        if not isinstance(prompt, list) or not prompt:
+            return None
+        first = prompt[0]
+        if isinstance(first, int):
+            return self._ids_key(prompt, model, salt)
+        if isinstance(first, list):
+            return self._ids_key(first, model, salt) if first else None
+        if isinstance(first, str) and not ids_only:
+            return self._prompt_key(first, model, salt, tokenizer)
+        return None
+
+    def _text_key(
+        self, text: str, model: str, salt: Any, tokenizer: Any, add_special_tokens: bool
+    ) -> PrefixKey | None:
+        try:
+            text.encode("utf-8")  # lone surrogates: the engine answers 400
+            ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception:  # noqa: BLE001 - a tokenizer error on client text is the engine's 400
+            return None
+        return self._ids_key(ids, model, salt)
+
+    # ------------------------------------------------------------------------------------------------ hashing
+
+    def _namespace(self, kind: str, model: str, salt: Any) -> bytes | None:
+        """``h_0``: model, cache salt and key kind, JSON-encoded so no two namespaces share bytes."""
+        try:
+            data = json.dumps([kind, model, salt], ensure_ascii=True, separators=(",", ":"), sort_keys=True)
+        except (TypeError, ValueError):
+            return None  # a cache_salt JSON cannot carry: not from a real client
+        return _digest(data.encode("ascii"))
+
+    def _key(self, kind: Literal["tokens", "chars"], model: str, h0: bytes, blocks: list[int], prompt_tokens: int,
+             block_tokens: int) -> PrefixKey:
+        k = min(self.prefix_blocks, len(blocks))
+        routing_key = blocks[k - 1] if k else _as_int(h0)
+        return PrefixKey(model, kind, tuple(blocks), routing_key, prompt_tokens, block_tokens)
+
+    def _ids_key(self, ids: list[Any], model: str, salt: Any) -> PrefixKey | None:
+        """Token blocks of ``block_tokens`` ids, packed as uint32 so one blake2b call hashes a block."""
+        h0 = self._namespace("tokens", model, salt)
+        if h0 is None:
+            return None
+        bt = self.block_tokens
+        n_full = min(len(ids) // bt, self.max_blocks)
+        try:
+            packed = array(_ID_TYPECODE, ids)  # TypeError / OverflowError: not token ids (engine 400)
+        except (TypeError, OverflowError):
+            return None
+        if _BIG_ENDIAN:
+            packed.byteswap()  # the same hashes on every router replica
+        buf = packed.tobytes()
+        step = 4 * bt
+        prev, blocks = h0, []
+        for off in range(0, n_full * step, step):
+            prev = _digest(prev + buf[off : off + step])
+            blocks.append(_as_int(prev))
+        return self._key("tokens", model, h0, blocks, len(ids), bt)
+
+    def _chars_key(self, text: str, model: str, salt: Any) -> PrefixKey | None:
+        """Character blocks of ``block_chars`` characters; tokens estimated at 4 characters each."""
+        h0 = self._namespace("chars", model, salt)
+        if h0 is None:
+            return None
+        bc = self.block_chars
+        n_full = min(len(text) // bc, self.max_blocks)
+        try:
+            text.encode("utf-8")  # lone surrogates: the engine answers 400
+        except UnicodeEncodeError:
+            return None
+        prev, blocks = h0, []
+        for off in range(0, n_full * bc, bc):
+            prev = _digest(prev + text[off : off + bc].encode("utf-8"))
+            blocks.append(_as_int(prev))
+        return self._key("chars", model, h0, blocks, (len(text) + 3) // 4, max(1, bc // 4))
