@@ -1,0 +1,103 @@
+"""``prefix_hash``: consistent hashing with bounded loads (CHWBL) on the prefix key, load counted in tokens.
+
+Mirrokni, Thorup, Zadimoghaddam 2018, "Consistent Hashing with Bounded Loads": walk the hash ring clockwise from the
+key to the first worker whose load stays under ``load_factor ×`` the mean. As KubeAI's PrefixHash load balancer, but
+keyed on the engine's own token blocks (``PrefixKey.routing_key``) and with load in tokens in flight (uncached prompt
+tokens + remaining max_tokens), not requests: one 8k-token prompt is not one 10-token prompt.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from hashlib import blake2b
+from typing import Sequence
+
+from radixserve.router.policy.simple import IndexedPolicy, load_order
+from radixserve.router.types import PrefixKey, RouteDecision, WorkerLoad
+
+
+def ring_hash(label: str) -> int:
+    """A ring position: 64-bit blake2b of ``label`` (same width as the prefix keys' hashes)."""
+    return int.from_bytes(blake2b(label.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+class PrefixHashPolicy(IndexedPolicy):
+    """CHWBL over ``virtual_nodes`` ring points per worker (position ``ring_hash(f"{url}#{i}")``).
+
+    ``set_workers`` defines the ring; ``rank`` gets a subset (healthy workers of one model) and skips the others
+    while walking, without rebuilding, so a worker that is ejected and readmitted gets exactly its keys back.
+    A worker fits when ``load + cost <= max(load_factor * (total_load + cost) / n, cost)`` (an idle worker always
+    fits). Raises ``ValueError`` for ``virtual_nodes < 1`` or ``load_factor < 1``.
+    """
+
+    name = "prefix_hash"
+
+    def __init__(self, virtual_nodes: int = 256, load_factor: float = 1.25, capacity_blocks_per_worker: int = 65536):
+        if virtual_nodes < 1:
+            raise ValueError("virtual_nodes must be >= 1")
+        if load_factor < 1.0:
+            raise ValueError("load_factor must be >= 1 (1.25 = 125% of the mean load)")
+        super().__init__(capacity_blocks_per_worker)
+        self.virtual_nodes = virtual_nodes
+        self.load_factor = load_factor
+        self._points: list[int] = []  # sorted ring positions
+        self._owners: list[str] = []  # worker URL of each position
+        self._ring_urls: frozenset[str] = frozenset()
+
+    def set_workers(self, urls: Sequence[str]) -> None:
+        """Rebuild the ring for ``urls``: O(V·N log(V·N)); only the changed worker's arcs move (consistent hashing)."""
+        unique = sorted(set(urls))
+        ring = sorted((ring_hash(f"{url}#{i}"), url) for url in unique for i in range(self.virtual_nodes))
+        self._points = [p for p, _ in ring]
+        self._owners = [u for _, u in ring]
+        self._ring_urls = frozenset(unique)
+
+    def walk(self, routing_key: int, urls: Sequence[str]) -> list[str]:
+        """The distinct workers of ``urls`` met clockwise from ``routing_key`` (the first is the key's owner),
+        then any of ``urls`` not on the ring, by URL."""
+        wanted = set(urls)
+        on_ring = wanted & self._ring_urls
+        order: list[str] = []
+        n = len(self._points)
+        if on_ring:
+            seen: set[str] = set()
+            start = bisect_left(self._points, routing_key)
+            for j in range(n):
+                url = self._owners[(start + j) % n]
+                if url in on_ring and url not in seen:
+                    seen.add(url)
+                    order.append(url)
+                    if len(order) == len(on_ring):
+                        break
+        return order + sorted(wanted - on_ring)
+
+    def rank(self, key: PrefixKey | None, workers: Sequence[WorkerLoad], cost_tokens: int) -> list[RouteDecision]:
+        """Every worker once: the choice (first fitting worker clockwise from the key, or a fitting worker with a
+        strictly longer predicted prefix match), then the rest in ring-walk order. Least loaded first, reason
+        "fallback", when ``key`` is None or no worker fits."""
+        if not workers:
+            return []
+        if key is None:
+            return [self.decide(w.url, "fallback", None) for w in sorted(workers, key=load_order)]
+        by_url = {w.url: w for w in workers}
+        order = self.walk(key.routing_key, list(by_url))
+        total = sum(w.inflight_tokens for w in by_url.values())
+        bound = max(self.load_factor * (total + cost_tokens) / len(by_url), cost_tokens)
+        fitting = [u for u in order if by_url[u].inflight_tokens + cost_tokens <= bound]
+        owner = order[0]
+        if not fitting:  # cannot happen with the max(.., cost) bound; kept so a bad load view never drops a request
+            choice = min(by_url.values(), key=load_order).url
+            first = self.decide(choice, "fallback", key)
+        else:
+            choice = fitting[0]
+            reason = "prefix-hit" if choice == owner else "load-spill"
+            # Affinity: a fitting worker that holds more of this prompt wins (turn n+1 of a short conversation, whose
+            # first K blocks are still growing, stays on turn n's worker).
+            best = self.index.match(choice, key.blocks)
+            for url in fitting[1:]:
+                matched = self.index.match(url, key.blocks)
+                if matched > best:
+                    best, choice, reason = matched, url, "prefix-hit"
+            first = self.decide(choice, reason, key)  # type: ignore[arg-type]
+        rest = [self.decide(u, "prefix-hit" if u == owner else "load-spill", key) for u in order if u != choice]
+        return [first, *rest]
