@@ -1,0 +1,320 @@
+"""The router's HTTP server: ``create_app(args)`` builds the FastAPI app, ``run_router(args)`` serves it with uvicorn.
+
+Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` (proxied, see ``proxy.py``);
+``GET /v1/models`` (aggregated over routable workers), ``/v1/models/{model}``, ``/health`` (200 while the router
+runs, with discovery age and every worker's state), ``/ready`` (200 when a worker is routable, else an OpenAI-format
+503), ``/metrics``. Like the engine's server (engine/server/http.py), a pure-ASGI edge middleware assigns and echoes
+``x-request-id``, enforces the body limit (413) and the optional bearer API key (401), and every error is the
+OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import sys
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from radixserve import constants
+from radixserve.protocol import ModelCard, error_body, random_id
+from radixserve.router.config import RouterArgs
+from radixserve.router.metrics import RouterMetrics
+from radixserve.router.proxy import BODY_SCOPE_KEY, REQUEST_ID_SCOPE_KEY, Proxy
+from radixserve.router.workers import WorkerPool
+
+logger = logging.getLogger("radixserve.router")
+
+# Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key).
+_OPEN_PATHS = frozenset({"/health", constants.ROUTER_READY_PATH, "/metrics"})
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_MAX_REQUEST_ID_LEN = 128
+_SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def _valid_request_id(value: str | None) -> bool:
+    """Whether a client's ``x-request-id`` can be used as is (printable ASCII, at most 128 chars; as the engine)."""
+    return bool(value) and len(value) <= _MAX_REQUEST_ID_LEN and all(33 <= ord(c) < 127 for c in value)
+
+
+def _error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+class EdgeMiddleware:
+    """Pure-ASGI middleware at the edge (no ``BaseHTTPMiddleware``, so streams and disconnects pass through).
+
+    - ``x-request-id``: the client's (printable ASCII, ≤ 128 chars) or a fresh one; stored in the scope (the proxy
+      sends it upstream) and echoed on every response, replacing the engine's copy.
+    - API key: with ``api_key`` set, every path but ``/health``, ``/ready`` and ``/metrics`` needs
+      ``Authorization: Bearer <key>`` (401).
+    - Body limit: ``Content-Length`` or the body read over ``max_body_bytes`` → 413. The body is read here, stored
+      in the scope for the proxy and replayed to the app; after it ``receive`` passes through (disconnects seen).
+    - Unhandled exceptions → 500 with the OpenAI error body (logged, no traceback to the client).
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = auth = declared = None
+        for k, v in scope.get("headers", ()):
+            k = k.lower()
+            if k == b"x-request-id":
+                incoming = v.decode("latin-1")
+            elif k == b"authorization":
+                auth = v
+            elif k == b"content-length":
+                declared = v.decode("latin-1")
+        request_id = incoming if incoming is not None and _valid_request_id(incoming) else random_id()
+        scope[REQUEST_ID_SCOPE_KEY] = request_id
+        rid_header = (b"x-request-id", request_id.encode("latin-1"))
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                raw = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                raw.append(rid_header)
+                message = {**message, "headers": raw}
+            await send(message)
+
+        async def reply(status: int, message: str) -> None:
+            await _error_response(message, status)(scope, receive, send_with_id)
+
+        if self.expected_auth is not None and scope.get("path") not in _OPEN_PATHS:
+            if not hmac.compare_digest(auth or b"", self.expected_auth):
+                await reply(401, "invalid or missing API key (Authorization: Bearer <key>)")
+                return
+
+        app_receive = receive
+        if scope.get("method") in _BODY_METHODS:
+            limit = self.max_body_bytes
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                await reply(413, f"request body of {declared} bytes is over the limit of {limit} bytes")
+                return
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > limit:
+                    await reply(413, f"request body is over the limit of {limit} bytes")
+                    return
+                if not message.get("more_body", False):
+                    break
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            scope[BODY_SCOPE_KEY] = body
+            replayed = False
+
+            async def app_receive() -> Message:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+        try:
+            await self.app(scope, app_receive, send_with_id)
+        except Exception:
+            logger.exception("unhandled error on %s %s (request %s)", scope.get("method"), scope.get("path"),
+                             request_id)
+            if started:
+                raise  # the response is under way; let the server drop the connection
+            await reply(500, "internal server error")
+
+
+def _default_namespace() -> str:
+    try:
+        with open(_SA_NAMESPACE_FILE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
+def _build_discovery(args: RouterArgs) -> Any:
+    from radixserve.router.discovery import EndpointSliceDiscovery, StaticDiscovery, kube_api_client
+
+    if not args.service_discovery:
+        return StaticDiscovery(args.worker_urls)
+    return EndpointSliceDiscovery(
+        args.namespace or _default_namespace(), args.service_name,
+        all_inference_services=args.all_inference_services, port_name=constants.HTTP_PORT_NAME,
+        relist_interval_s=args.discovery_relist_s, stale_after_s=args.discovery_stale_s, api_client=kube_api_client(),
+    )
+
+
+def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
+    """The router's FastAPI app. ``discovery`` (``StaticDiscovery`` / ``EndpointSliceDiscovery`` or anything with
+    their ``kind``, ``start(on_change)``, ``stop()``, ``age_s()``, ``is_stale()``) defaults to the one ``args`` names.
+    Discovery, health probes and the upstream client start with the app's lifespan and stop with it.
+    Raises ``RouterConfigError`` for invalid ``args``."""
+    from radixserve.router.policy import make_policy
+    from radixserve.router.prefix_key import PrefixKeyExtractor
+
+    args.validate()
+    if discovery is None:
+        discovery = _build_discovery(args)
+    metrics = RouterMetrics(discovery_age=discovery.age_s)
+    policy = make_policy(args.policy, virtual_nodes=args.virtual_nodes, load_factor=args.load_factor)
+    extractor = PrefixKeyExtractor(block_tokens=args.block_tokens, block_chars=args.block_chars,
+                                   prefix_blocks=args.prefix_blocks)
+    # One pooled client for all proxied requests; keep-alive shorter than uvicorn's 5 s so the engine never closes a
+    # connection we are about to reuse. trust_env=False: an HTTP(S)_PROXY variable must not capture engine traffic.
+    client = httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=args.max_connections, max_keepalive_connections=args.max_connections,
+                            keepalive_expiry=4.0),
+        timeout=httpx.Timeout(connect=args.connect_timeout_s, read=args.request_timeout_s,
+                              write=args.request_timeout_s, pool=args.request_timeout_s),
+        trust_env=False,
+    )
+    control = httpx.AsyncClient(limits=httpx.Limits(max_connections=64, keepalive_expiry=4.0),
+                                timeout=httpx.Timeout(args.connect_timeout_s), trust_env=False)
+    pool = WorkerPool(args, policy, extractor, metrics, control)
+    proxy = Proxy(args, pool, policy, extractor, metrics, client)
+
+    def on_change(endpoints: dict[str, Any]) -> None:
+        pool.sync({ep.url: ep for ep in endpoints.values()})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await pool.start()
+        await discovery.start(on_change)
+        logger.info("router up: policy %s, discovery %s", args.policy, discovery.kind)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                await discovery.stop()
+            await pool.stop()
+            await client.aclose()
+            await control.aclose()
+
+    app = FastAPI(title="radixserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.pool, app.state.proxy, app.state.metrics = pool, proxy, metrics
+    app.state.policy, app.state.extractor, app.state.discovery = policy, extractor, discovery
+    app.add_middleware(EdgeMiddleware, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    # The proxied routes are raw ASGI apps (no FastAPI dependency solving on the hot path).
+    for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions"), ("/generate", "generate")):
+        app.router.routes.append(Route(path, proxy.endpoint(kind, path), methods=["POST"]))  # type: ignore[arg-type]
+
+    def cards(model: str | None = None) -> list[dict[str, Any]]:
+        seen: dict[str, dict[str, Any]] = {}
+        for w in pool.routable(None) if model is None else pool.workers.values():
+            for m, card in w.model_cards.items():
+                if (model is None or m == model) and m not in seen:
+                    fields = {k: card[k] for k in ModelCard.model_fields if k in card}
+                    seen[m] = ModelCard(**fields).model_dump()
+        return [seen[m] for m in sorted(seen)]
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": cards()})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> JSONResponse:
+        found = cards(model)
+        if not found:
+            return _error_response(f"The model `{model}` does not exist.", 404, "model")
+        return JSONResponse(found[0])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        age = discovery.age_s()
+        return JSONResponse({
+            "status": "ok",
+            "policy": args.policy,
+            "discovery": {"kind": discovery.kind, "age_s": age, "stale": bool(discovery.is_stale()),
+                          "last_error": _str_or_none(getattr(discovery, "last_error", None))},
+            "routable_workers": len(pool.routable(None)),
+            "workers": [w.describe() for w in pool.workers.values()],
+        })
+
+    @app.get(constants.ROUTER_READY_PATH)
+    async def ready() -> Response:
+        n = len(pool.routable(None))
+        if n:
+            return JSONResponse({"status": "ready", "routable_workers": n})
+        return _error_response("no engine is available", 503)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        content, content_type = metrics.render()
+        return Response(content=content, media_type=content_type)
+
+    return app
+
+
+def _str_or_none(x: Any) -> str | None:
+    return None if x is None else str(x)
+
+
+def _raise_file_limit() -> None:
+    """Raise the open-file soft limit to the hard limit: each stream holds a client and an upstream socket."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    except (ImportError, ValueError, OSError):  # pragma: no cover - not Unix, or not allowed
+        pass
+
+
+def run_router(args: RouterArgs) -> int:
+    """Serve the router with uvicorn on ``args.host:args.port`` until Ctrl-C/SIGTERM; returns the exit status.
+    No concurrency limit; a large listen backlog; no per-request access log (it sits in every request's path)."""
+    import uvicorn
+
+    _raise_file_limit()
+    app = create_app(args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), backlog=8192,
+                            access_log=False, timeout_graceful_shutdown=5, limit_concurrency=None)
+    server = uvicorn.Server(config)
+    logger.info("router serving on http://%s:%d", args.host, args.port)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m radixserve.router.app [flags]`` (the ``radixserve router`` subcommand calls the same pieces)."""
+    import argparse
+
+    from radixserve.router.config import RouterConfigError, add_router_args, router_args_from_namespace
+
+    parser = argparse.ArgumentParser(prog="radixserve router", description="cache-aware router")
+    add_router_args(parser)
+    try:
+        args = router_args_from_namespace(parser.parse_args(argv))
+    except RouterConfigError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    return run_router(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
