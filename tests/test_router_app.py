@@ -1,0 +1,386 @@
+"""The router end to end over HTTP: real engine HTTP layers over scripted fake engines (tests/fake_engine.py) as
+upstreams on free ports, the router served by uvicorn, the official ``openai`` client and httpx as clients."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from fake_engine import FakeEngine, ServerThread, load_tokenizer, sse_payloads, wait_until
+from radixserve import constants
+from radixserve.engine.io_struct import InvalidRequestError
+from radixserve.engine.server.http import create_app as engine_app
+from radixserve.router.app import create_app
+from radixserve.router.config import RouterArgs
+
+MODEL = "smollm2-135m-instruct"
+MSGS = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return load_tokenizer()
+
+
+@contextlib.contextmanager
+def engines(tok: Any, n: int = 2, names: list[str] | None = None, delay_s: float = 0.0) -> Iterator[tuple]:
+    """``n`` fake engines behind the real engine HTTP layer: yields (engines, urls)."""
+    fakes = []
+    for i in range(n):
+        e = FakeEngine(tok, delay_s=delay_s)
+        if names:
+            e.served_model_name = names[i]
+        fakes.append(e)
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(ServerThread(engine_app(e, manage_engine=False))) for e in fakes]
+        yield fakes, urls
+
+
+@contextlib.contextmanager
+def router(urls: list[str], wait_for: int | None = None, **kw: Any) -> Iterator[str]:
+    """A router in front of ``urls``; waits until ``wait_for`` (default all) workers are routable."""
+    kw.setdefault("health_interval_s", 0.5)
+    with ServerThread(create_app(RouterArgs(worker_urls=urls, **kw))) as url:
+        want = len(urls) if wait_for is None else wait_for
+        assert wait_until(lambda: httpx.get(url + "/health").json()["routable_workers"] >= want, 30)
+        yield url
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connections are refused
+
+
+def health(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/health").json()
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of the samples of ``radixserve_router_<name>`` (all label sets)."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(constants.ROUTER_METRIC_PREFIX + name) and not line.startswith("#"):
+            head, value = line.rsplit(" ", 1)
+            if head.split("{")[0] == constants.ROUTER_METRIC_PREFIX + name:
+                total += float(value)
+    return total
+
+
+def assert_error(r: httpx.Response, status: int, *needles: str) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["object"] == "error" and body["code"] == status and body["type"] == constants.ERROR_TYPES[status]
+    for needle in needles:
+        assert needle in body["message"], body["message"]
+    return body
+
+
+def strip_volatile(payloads: list[Any]) -> list[Any]:
+    out = []
+    for p in payloads:
+        p = dict(p)
+        p.pop("created", None)
+        p.pop("id", None)
+        if "meta_info" in p:
+            p["meta_info"] = {k: v for k, v in p["meta_info"].items() if k != "id"}
+        out.append(p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(tok: Any) -> Iterator[tuple]:
+    """Two engines serving the demo model behind one prefix_hash router: (router url, engines, engine urls)."""
+    with engines(tok, 2) as (fakes, urls), router(urls) as r:
+        yield r, fakes, urls
+
+
+# ------------------------------------------------------------------------------------------------ proxied requests
+
+
+def test_openai_chat_through_router_equals_direct(stack):
+    r, fakes, urls = stack
+    client = openai.OpenAI(base_url=r + "/v1", api_key="unused", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MSGS, max_tokens=6, extra_headers={"x-request-id": "router-rid-1"})
+    resp = raw.parse()
+    worker = raw.headers[constants.HEADER_WORKER]
+    assert worker in urls
+    assert raw.headers[constants.HEADER_ROUTE_REASON] in constants.ROUTE_REASONS
+    assert raw.headers[constants.HEADER_REQUEST_ID] == "router-rid-1"
+    engine = fakes[urls.index(worker)]
+    assert engine.requests[-1].rid == "router-rid-1"  # the id reached the engine
+    direct = openai.OpenAI(base_url=worker + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=6)
+    assert resp.choices[0].message.content == direct.choices[0].message.content
+    assert resp.usage.prompt_tokens == direct.usage.prompt_tokens
+    assert resp.id == "chatcmpl-router-rid-1"
+
+
+def test_openai_chat_stream_through_router_equals_direct(stack):
+    r, fakes, urls = stack
+    client = openai.OpenAI(base_url=r + "/v1", api_key="unused", max_retries=0)
+    via = [c.model_dump() for c in client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5,
+                                                                  stream=True)]
+    direct_client = openai.OpenAI(base_url=urls[0] + "/v1", api_key="unused", max_retries=0)
+    direct = [c.model_dump() for c in direct_client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5,
+                                                                            stream=True)]
+    assert strip_volatile(via) == strip_volatile(direct)
+    assert all(c["usage"] is None for c in via)  # the usage chunk the router asked for is not shown
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_and_generate_equal_direct(stack, stream):
+    r, fakes, urls = stack
+    comp = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "stream": stream}
+    gen = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4}, "stream": stream}
+    for path, body in (("/v1/completions", comp), ("/generate", gen)):
+        via = httpx.post(r + path, json=body, timeout=30)
+        assert via.status_code == 200, via.text
+        worker = via.headers[constants.HEADER_WORKER]
+        direct = httpx.post(worker + path, json=body, timeout=30)
+        if stream:
+            assert via.headers["content-type"].startswith("text/event-stream")
+            assert strip_volatile(sse_payloads(via.text)) == strip_volatile(sse_payloads(direct.text))
+        else:
+            assert strip_volatile([via.json()]) == strip_volatile([direct.json()])
+
+
+def test_request_id_generated_when_absent_and_sent_upstream(stack):
+    r, fakes, urls = stack
+    resp = httpx.post(r + "/generate", json={"text": "abc", "sampling_params": {"max_new_tokens": 2}})
+    rid = resp.headers[constants.HEADER_REQUEST_ID]
+    assert rid
+    engine = fakes[urls.index(resp.headers[constants.HEADER_WORKER])]
+    assert engine.requests[-1].rid == rid
+    assert resp.json()["meta_info"]["id"] == rid
+
+
+def test_same_prompt_goes_to_same_worker(stack):
+    r, _, _ = stack
+    workers = set()
+    for _ in range(4):
+        body = {"model": MODEL, "messages": [{"role": "system", "content": "You are a pirate. " * 40}] + MSGS,
+                "max_tokens": 2}
+        resp = httpx.post(r + "/v1/chat/completions", json=body, timeout=30)
+        assert resp.status_code == 200
+        workers.add(resp.headers[constants.HEADER_WORKER])
+    assert len(workers) == 1
+
+
+def test_usage_chunk_kept_when_client_asked_and_cached_tokens_counted(stack):
+    r, fakes, urls = stack
+    for e in fakes:
+        e.cached_tokens = 5
+    try:
+        before = metric(r, "actual_cached_tokens_total")
+        body = {"model": MODEL, "messages": MSGS, "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True}}
+        payloads = sse_payloads(httpx.post(r + "/v1/chat/completions", json=body, timeout=30).text)
+        assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 5
+        # Stream without include_usage (the router asks and strips), non-stream chat, native stream and non-stream.
+        body = {"model": MODEL, "messages": MSGS, "max_tokens": 3, "stream": True}
+        payloads = sse_payloads(httpx.post(r + "/v1/chat/completions", json=body, timeout=30).text)
+        assert all(p["choices"] and "usage" not in p for p in payloads)
+        httpx.post(r + "/v1/chat/completions", json={**body, "stream": False}, timeout=30)
+        for stream in (True, False):
+            httpx.post(r + "/generate", json={"text": "hello there " * 5, "sampling_params": {"max_new_tokens": 3},
+                                              "stream": stream}, timeout=30)
+        assert metric(r, "actual_cached_tokens_total") - before == 5 * 5
+    finally:
+        for e in fakes:
+            e.cached_tokens = 0
+
+
+def test_metric_names_present(stack):
+    r, _, _ = stack
+    text = httpx.get(r + "/metrics").text
+    names = constants.ROUTER_COUNTERS + constants.ROUTER_GAUGES + constants.ROUTER_HISTOGRAMS
+    for name in names:
+        suffix = "_count" if name in constants.ROUTER_HISTOGRAMS else ""
+        assert f"\n{constants.ROUTER_METRIC_PREFIX}{name}{suffix}" in text, name
+    assert 'code="200"' in text and 'model="smollm2-135m-instruct"' in text
+
+
+def test_health_lists_workers(stack):
+    r, _, urls = stack
+    h = health(r)
+    assert h["status"] == "ok" and h["discovery"]["kind"] == "static" and h["discovery"]["stale"] is False
+    assert sorted(w["url"] for w in h["workers"]) == sorted(urls)
+    assert all(w["state"] == "closed" and w["models"] == [MODEL] and w["inflight_requests"] == 0
+               for w in h["workers"])
+    ready = httpx.get(r + "/ready")
+    assert ready.status_code == 200 and ready.json()["routable_workers"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_unknown_model_404(stack):
+    r, _, _ = stack
+    client = openai.OpenAI(base_url=r + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSGS)
+    assert_error(httpx.post(r + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "nope")
+    assert_error(httpx.get(r + "/v1/models/nope"), 404)
+    assert httpx.get(r + "/v1/models/" + MODEL).json()["id"] == MODEL
+
+
+def test_bad_json_400(stack):
+    r, _, _ = stack
+    resp = httpx.post(r + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(resp, 400, "JSON")
+    assert_error(httpx.post(r + "/generate", json=[1, 2]), 400, "object")
+    assert resp.headers[constants.HEADER_REQUEST_ID]
+
+
+def test_engine_400_passes_through_unchanged(stack):
+    r, _, urls = stack
+    bad = {"model": MODEL, "messages": MSGS, "max_tokens": 5000}  # over the fake engine's context length
+    via = httpx.post(r + "/v1/chat/completions", json=bad)
+    direct = httpx.post(urls[0] + "/v1/chat/completions", json=bad)
+    assert via.status_code == direct.status_code == 400
+    assert via.json() == direct.json()
+    assert via.headers[constants.HEADER_WORKER] in urls
+
+
+def test_body_limit_413_and_api_key_401(tok):
+    with engines(tok, 1) as (_, urls), router(urls, max_request_body_bytes=2000, api_key="sekret") as r:
+        auth = {"authorization": "Bearer sekret"}
+        big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 3000}]}
+        assert_error(httpx.post(r + "/v1/chat/completions", json=big, headers=auth), 413)
+        assert_error(httpx.post(r + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}), 401)
+        assert_error(httpx.post(r + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2},
+                                headers={"authorization": "Bearer wrong"}), 401)
+        assert httpx.post(r + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2},
+                          headers=auth).status_code == 200
+        assert httpx.get(r + "/health").status_code == 200  # probes and scrapes stay open
+        assert httpx.get(r + "/metrics").status_code == 200
+        client = openai.OpenAI(base_url=r + "/v1", api_key="sekret", max_retries=0)
+        assert client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2).choices[0].message.content
+
+
+def test_no_routable_worker_503():
+    with router([dead_url()], wait_for=0) as r:
+        assert_error(httpx.get(r + "/ready"), 503)
+        assert_error(httpx.post(r + "/v1/chat/completions", json={"messages": MSGS}), 503, "no engine")
+        assert health(r)["workers"][0]["state"] == "pending"
+        client = openai.OpenAI(base_url=r + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model=MODEL, messages=MSGS)
+
+
+# ------------------------------------------------------------------------------------------------ retries, breaker
+
+
+def test_retry_when_first_candidate_refuses_connections(tok):
+    with engines(tok, 1) as (_, live_urls):
+        fake = FakeEngine(tok)
+        doomed = ServerThread(engine_app(fake, manage_engine=False))
+        doomed_url = doomed.__enter__()
+        try:
+            with router([doomed_url, live_urls[0]], policy="round_robin", eject_after_failures=100,
+                        health_interval_s=60) as r:
+                doomed.__exit__(None, None, None)
+                doomed = None
+                reasons = []
+                for i in range(4):
+                    resp = httpx.post(r + "/generate", json={"text": f"q{i}", "sampling_params": {"max_new_tokens": 2}},
+                                      timeout=30)
+                    assert resp.status_code == 200, resp.text
+                    assert resp.headers[constants.HEADER_WORKER] == live_urls[0]
+                    reasons.append(resp.headers[constants.HEADER_ROUTE_REASON])
+                assert "retry" in reasons
+                assert metric(r, "retries_total") == reasons.count("retry")
+                assert metric(r, "decisions_total") == 4
+        finally:
+            if doomed is not None:
+                doomed.__exit__(None, None, None)
+
+
+def test_retry_on_503_before_first_byte(tok):
+    with engines(tok, 2) as (fakes, urls), router(urls, policy="round_robin", eject_after_failures=100) as r:
+        fakes[0].fail_with = InvalidRequestError("the engine is shutting down", None, status_code=503)
+        for i in range(4):
+            for stream in (False, True):
+                resp = httpx.post(r + "/v1/chat/completions",
+                                  json={"messages": [{"role": "user", "content": f"m{i}"}], "max_tokens": 2,
+                                        "stream": stream}, timeout=30)
+                assert resp.status_code == 200, resp.text
+                assert resp.headers[constants.HEADER_WORKER] == urls[1]
+        assert metric(r, "retries_total") >= 1
+        assert len(fakes[0].requests) == metric(r, "retries_total")
+
+
+def test_ejection_and_readmission_by_health_probe(tok):
+    with engines(tok, 2) as (fakes, urls), router(urls, eject_after_failures=2, health_interval_s=0.2,
+                                                  readmit_after_s=0.5) as r:
+        fakes[0].healthy = False  # /health answers 503
+        assert wait_until(lambda: health(r)["workers"][[w["url"] for w in health(r)["workers"]].index(urls[0])]
+                          ["state"] == "open", 30)
+        assert metric(r, "ejections_total") >= 1
+        assert health(r)["routable_workers"] == 1
+        for i in range(4):
+            resp = httpx.post(r + "/generate", json={"text": f"p{i} " * 30, "sampling_params": {"max_new_tokens": 1}})
+            assert resp.headers[constants.HEADER_WORKER] == urls[1]
+        fakes[0].healthy = True
+        assert wait_until(lambda: health(r)["routable_workers"] == 2, 30)
+        states = {w["url"]: w["state"] for w in health(r)["workers"]}
+        assert states[urls[0]] == "closed"
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def test_models_aggregated_and_routed_by_model(tok):
+    with engines(tok, 2, names=[MODEL, "other-model"]) as (fakes, urls), router(urls) as r:
+        listed = httpx.get(r + "/v1/models").json()
+        assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == sorted([MODEL, "other-model"])
+        client = openai.OpenAI(base_url=r + "/v1", api_key="unused", max_retries=0)
+        assert sorted(m.id for m in client.models.list()) == sorted([MODEL, "other-model"])
+        for name, url in ((MODEL, urls[0]), ("other-model", urls[1])):
+            for _ in range(2):
+                resp = httpx.post(r + "/v1/chat/completions", json={"model": name, "messages": MSGS, "max_tokens": 1})
+                assert resp.status_code == 200 and resp.headers[constants.HEADER_WORKER] == url
+        assert_error(httpx.post(r + "/v1/chat/completions", json={"messages": MSGS}), 400, "model is required")
+        assert_error(httpx.post(r + "/generate", json={"text": "x"}), 400, "model")
+        resp = httpx.post(r + "/generate", json={"text": "x", "model": "other-model",
+                                                 "sampling_params": {"max_new_tokens": 1}})
+        assert resp.status_code == 200 and resp.headers[constants.HEADER_WORKER] == urls[1]
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+
+
+def test_stream_is_not_buffered(tok):
+    with engines(tok, 1, delay_s=0.2) as (fakes, urls), router(urls) as r:
+        with httpx.stream("POST", r + "/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": MSGS, "max_tokens": 10, "stream": True}) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"]
+            assert fakes[0].running, "the first chunk arrived only after the engine finished"
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+
+
+def test_client_disconnect_aborts_upstream(tok):
+    with engines(tok, 1, delay_s=0.2) as (fakes, urls), router(urls) as r:
+        for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 1000,
+                                                     "stream": True, "ignore_eos": True}),
+                           ("/generate", {"text": "hi", "stream": True,
+                                          "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}})):
+            rid = f"leave-{path.strip('/').replace('/', '-')}"
+            with httpx.stream("POST", r + path, json=body, headers={"x-request-id": rid}, timeout=60) as resp:
+                assert resp.status_code == 200
+                next(resp.iter_raw())  # the stream is flowing
+            assert wait_until(lambda: rid in fakes[0].aborted, 30), fakes[0].aborted
+            assert wait_until(lambda: health(r)["workers"][0]["inflight_requests"] == 0, 10)
+        assert health(r)["workers"][0]["inflight_tokens"] == 0
