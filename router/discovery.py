@@ -6,8 +6,8 @@ that set is (``age_s``, ``is_stale``, ``last_error``) for the router's ``/health
 
 Kubernetes discovery follows client-go's reflector (list, then watch from the list's resourceVersion, re-list on 410
 Gone or any error, with capped, jittered backoff), plus a periodic full re-list that *replaces* the state, so an event
-the watch never delivered (a missed DELETE) cannot leave a dead pod routable for long — a known failure of SGLang's and
-vLLM's routers, which only apply watch deltas.
+the watch never delivered (a missed DELETE) cannot leave a dead pod routable for long (a known failure of SGLang's
+and vLLM's routers, which only apply watch deltas).
 """
 
 from __future__ import annotations
@@ -399,7 +399,8 @@ class EndpointSliceDiscovery:
                 _request_timeout=(self._connect_timeout_s, timeout_s + 5.0),
             )
             for event in stream:
-                if self._stop.is_set():
+                # A server that ignores timeout_seconds while events keep coming must not postpone the re-list.
+                if self._stop.is_set() or time.monotonic() >= next_relist:
                     break
                 self._synced()
                 kind = event.get("type")
