@@ -26,8 +26,9 @@ class PrefixHashPolicy(IndexedPolicy):
 
     ``set_workers`` defines the ring; ``rank`` gets a subset (healthy workers of one model) and skips the others
     while walking, without rebuilding, so a worker that is ejected and readmitted gets exactly its keys back.
-    A worker fits when ``load + cost <= max(load_factor * (total_load + cost) / n, cost)`` (an idle worker always
-    fits). Raises ``ValueError`` for ``virtual_nodes < 1`` or ``load_factor < 1``.
+    A worker fits when ``load + cost <= max(load_factor * (total_load + cost) / n, min_load + cost)``: the paper's
+    bound, relaxed so the least loaded worker always fits (with an idle worker this is ``max(.., cost)``; without the
+    relaxation one prompt larger than the mean load would fit nowhere and lose its prefix affinity). Raises ``ValueError`` for ``virtual_nodes < 1`` or ``load_factor < 1``.
     """
 
     name = "prefix_hash"
@@ -73,8 +74,9 @@ class PrefixHashPolicy(IndexedPolicy):
 
     def rank(self, key: PrefixKey | None, workers: Sequence[WorkerLoad], cost_tokens: int) -> list[RouteDecision]:
         """Every worker once: the choice (first fitting worker clockwise from the key, or a fitting worker with a
-        strictly longer predicted prefix match), then the rest in ring-walk order. Least loaded first, reason
-        "fallback", when ``key`` is None or no worker fits."""
+        strictly longer predicted prefix match), then the rest in ring-walk order. Reason "prefix-hit" when the
+        choice is the key's ring owner or holds a predicted prefix of the prompt, "load-spill" otherwise; least
+        loaded first, reason "fallback", when ``key`` is None or no worker fits."""
         if not workers:
             return []
         if key is None:
@@ -82,22 +84,25 @@ class PrefixHashPolicy(IndexedPolicy):
         by_url = {w.url: w for w in workers}
         order = self.walk(key.routing_key, list(by_url))
         total = sum(w.inflight_tokens for w in by_url.values())
-        bound = max(self.load_factor * (total + cost_tokens) / len(by_url), cost_tokens)
+        least = min(w.inflight_tokens for w in by_url.values())
+        bound = max(self.load_factor * (total + cost_tokens) / len(by_url), least + cost_tokens)
         fitting = [u for u in order if by_url[u].inflight_tokens + cost_tokens <= bound]
         owner = order[0]
-        if not fitting:  # cannot happen with the max(.., cost) bound; kept so a bad load view never drops a request
+        if not fitting:  # cannot happen (the least loaded fits); kept so a bad load view never drops a request
             choice = min(by_url.values(), key=load_order).url
             first = self.decide(choice, "fallback", key)
         else:
             choice = fitting[0]
-            reason = "prefix-hit" if choice == owner else "load-spill"
             # Affinity: a fitting worker that holds more of this prompt wins (turn n+1 of a short conversation, whose
             # first K blocks are still growing, stays on turn n's worker).
             best = self.index.match(choice, key.blocks)
             for url in fitting[1:]:
                 matched = self.index.match(url, key.blocks)
                 if matched > best:
-                    best, choice, reason = matched, url, "prefix-hit"
+                    best, choice = matched, url
+            # "prefix-hit": the key's owner, or the fitting worker predicted to hold the most of this prompt;
+            # "load-spill": the owner was full and no fitting worker holds any of it.
+            reason = "prefix-hit" if choice == owner or best > 0 else "load-spill"
             first = self.decide(choice, reason, key)  # type: ignore[arg-type]
         rest = [self.decide(u, "prefix-hit" if u == owner else "load-spill", key) for u in order if u != choice]
         return [first, *rest]

@@ -1,0 +1,405 @@
+"""Routing policies: the CHWBL ring (determinism, churn, ejection), the load bound, the prefix index, the simple
+policies, and the issue's required properties simulated with the real key extractor and a load model."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter, deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import MODEL_DIR
+from radixserve.router.policy import POLICIES, make_policy
+from radixserve.router.policy.chwbl import PrefixHashPolicy, ring_hash
+from radixserve.router.prefix_index import PrefixIndex
+from radixserve.router.prefix_key import PrefixKeyExtractor
+from radixserve.router.types import PrefixKey, WorkerLoad
+
+MODEL = "smollm2-135m-instruct"
+
+
+def urls(n: int, offset: int = 0) -> list[str]:
+    return [f"http://10.0.0.{i + offset}:30000" for i in range(n)]
+
+
+def key_of(routing_key: int, blocks: tuple[int, ...] = (), prompt_tokens: int = 100) -> PrefixKey:
+    return PrefixKey("m", "tokens", blocks, routing_key, prompt_tokens, 16)
+
+
+def idle(ws: list[str]) -> list[WorkerLoad]:
+    return [WorkerLoad(u) for u in ws]
+
+
+def owners(policy: PrefixHashPolicy, keys: list[int], ws: list[str]) -> list[str]:
+    return [policy.rank(key_of(k), idle(ws), 10)[0].worker for k in keys]
+
+
+# ---------------------------------------------------------------------------------------------------- ring
+
+
+def test_ring_owner_is_the_first_point_clockwise():
+    """Checked against a brute-force ring: the owner holds the first virtual node at or after the key (wrapping)."""
+    ws = urls(5)
+    policy = PrefixHashPolicy(virtual_nodes=16)
+    policy.set_workers(ws)
+    rng = random.Random(1)
+    points = [(ring_hash(f"{u}#{i}"), u) for u in ws for i in range(16)]
+    for _ in range(300):
+        k = rng.getrandbits(64)
+        expected = min(points, key=lambda p: ((p[0] - k) % 2**64, p[1]))[1]
+        ranking = policy.rank(key_of(k), idle(ws), 10)
+        assert ranking[0].worker == expected and ranking[0].reason == "prefix-hit"
+        assert sorted(d.worker for d in ranking) == sorted(ws)
+
+
+def test_ring_is_deterministic_across_instances_and_input_order():
+    ws = urls(6)
+    a, b = PrefixHashPolicy(), PrefixHashPolicy()
+    a.set_workers(ws)
+    b.set_workers(list(reversed(ws)) + ws[:2])  # order and duplicates do not matter
+    keys = [random.Random(2).getrandbits(64) for _ in range(500)]
+    assert [a.walk(k, ws) for k in keys] == [b.walk(k, ws) for k in keys]
+
+
+def test_churn_moves_about_one_nth_of_the_keys():
+    n = 10
+    ws = urls(n)
+    rng = random.Random(3)
+    keys = [rng.getrandbits(64) for _ in range(10_000)]
+    policy = PrefixHashPolicy(virtual_nodes=256)
+    policy.set_workers(ws)
+    before = owners(policy, keys, ws)
+    assert min(Counter(before).values()) > 0.5 * len(keys) / n  # balanced ring
+
+    # a worker leaves: only its keys move, and they are about 1/N of all
+    gone = ws[4]
+    policy.set_workers([u for u in ws if u != gone])
+    after = owners(policy, keys, [u for u in ws if u != gone])
+    moved = [i for i, (x, y) in enumerate(zip(before, after)) if x != y]
+    assert all(before[i] == gone for i in moved) and before.count(gone) == len(moved)
+    assert 0.5 / n <= len(moved) / len(keys) <= 1.5 / n
+
+    # a worker joins: only keys that move to it move, about 1/(N+1)
+    new = urls(1, offset=50)[0]
+    policy.set_workers(ws + [new])
+    joined = owners(policy, keys, ws + [new])
+    moved = [i for i, (x, y) in enumerate(zip(before, joined)) if x != y]
+    assert all(joined[i] == new for i in moved)
+    assert 0.5 / (n + 1) <= len(moved) / len(keys) <= 1.5 / (n + 1)
+
+
+def test_ejected_worker_gets_exactly_its_keys_back():
+    """Ejection = the worker is missing from ``rank``'s workers while the ring keeps it: its keys spread over the
+    others (which keep theirs); readmitted, it owns exactly the same keys again."""
+    ws = urls(8)
+    rng = random.Random(4)
+    keys = [rng.getrandbits(64) for _ in range(3000)]
+    policy = PrefixHashPolicy()
+    policy.set_workers(ws)
+    before = owners(policy, keys, ws)
+    ejected = ws[2]
+    live = [u for u in ws if u != ejected]
+    during = owners(policy, keys, live)
+    assert ejected not in during
+    assert all(d == b for d, b in zip(during, before) if b != ejected)
+    assert len({d for d, b in zip(during, before) if b == ejected}) > 1  # its keys spread, not all to one worker
+    assert owners(policy, keys, ws) == before
+
+
+# ---------------------------------------------------------------------------------------------------- bounded load
+
+
+def fits(load: int, cost: int, loads: list[int], load_factor: float = 1.25) -> bool:
+    bound = max(load_factor * (sum(loads) + cost) / len(loads), min(loads) + cost)
+    return load + cost <= bound
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 20_000), min_size=1, max_size=8),
+    cost=st.integers(0, 8000),
+    routing_key=st.integers(0, 2**64 - 1),
+    ring_extra=st.integers(0, 3),
+)
+def test_choice_is_the_first_fitting_worker_clockwise(loads, cost, routing_key, ring_extra):
+    ws = urls(len(loads))
+    policy = PrefixHashPolicy(virtual_nodes=32)
+    policy.set_workers(ws + urls(ring_extra, offset=100))  # ring members that are not routable (ejected, other model)
+    workers = [WorkerLoad(u, inflight_requests=load // 100, inflight_tokens=load) for u, load in zip(ws, loads)]
+    ranking = policy.rank(key_of(routing_key), workers, cost)
+    assert sorted(d.worker for d in ranking) == sorted(ws)  # everyone once
+    walk = policy.walk(routing_key, ws)
+    load_of = dict(zip(ws, loads))
+    choice = ranking[0].worker
+    assert fits(load_of[choice], cost, loads)
+    skipped = walk[: walk.index(choice)]
+    assert not any(fits(load_of[u], cost, loads) for u in skipped)  # no fitting worker skipped
+    assert ranking[0].reason == ("prefix-hit" if choice == walk[0] else "load-spill")  # nothing recorded
+    assert [d.worker for d in ranking[1:]] == [u for u in walk if u != choice]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 20_000), min_size=2, max_size=6),
+    cost=st.integers(1, 8000),
+    recorded=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12)), max_size=10),
+)
+def test_affinity_picks_the_longest_match_among_fitting_workers(loads, cost, recorded):
+    """With recorded prefixes, the choice still fits the bound and no fitting worker holds a longer prefix."""
+    ws = urls(len(loads))
+    policy = PrefixHashPolicy(virtual_nodes=32)
+    policy.set_workers(ws)
+    blocks = tuple(random.Random(len(loads)).getrandbits(64) for _ in range(12))
+    for w, n in recorded:
+        policy.record(ws[w % len(ws)], key_of(0, blocks[:n]))
+    key = key_of(blocks[3], blocks, prompt_tokens=12 * 16 + 5)
+    workers = [WorkerLoad(u, inflight_tokens=load) for u, load in zip(ws, loads)]
+    ranking = policy.rank(key, workers, cost)
+    load_of = dict(zip(ws, loads))
+    choice = ranking[0].worker
+    assert fits(load_of[choice], cost, loads)
+    matched = {u: policy.index.match(u, blocks) for u in ws}
+    assert all(matched[u] <= matched[choice] for u in ws if fits(load_of[u], cost, loads))
+    for d in ranking:
+        assert d.predicted_cached_tokens == min(matched[d.worker] * 16, key.prompt_tokens - 1)
+    owner = policy.walk(key.routing_key, ws)[0]
+    assert ranking[0].reason == ("prefix-hit" if choice == owner or matched[choice] else "load-spill")
+
+
+def test_no_key_routes_to_the_least_loaded():
+    policy = make_policy("prefix_hash")
+    ws = urls(3)
+    policy.set_workers(ws)
+    workers = [WorkerLoad(ws[0], 1, 500), WorkerLoad(ws[1], 3, 200), WorkerLoad(ws[2], 1, 200)]
+    ranking = policy.rank(None, workers, 50)
+    assert [d.worker for d in ranking] == [ws[2], ws[1], ws[0]]
+    assert {d.reason for d in ranking} == {"fallback"} and all(d.predicted_cached_tokens == 0 for d in ranking)
+    assert policy.rank(key_of(1), [], 10) == []
+
+
+# ---------------------------------------------------------------------------------------------------- prefix index
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 20)), min_size=1, max_size=40),
+    capacity=st.integers(1, 30),
+    probe=st.tuples(st.integers(0, 5), st.integers(0, 20)),
+)
+def test_prefix_index_match_equals_a_linear_walk(ops, capacity, probe):
+    """Chains share prefixes (chain c's first blocks are chain 0's); under LRU eviction the recorded set stays
+    prefix-closed, so the binary search equals walking to the first miss, and capacity is never exceeded."""
+    chains = [[("shared", i) if i < 4 + c else (c, i) for i in range(20)] for c in range(6)]
+    hashed = [[hash(b) for b in chain] for chain in chains]
+    index = PrefixIndex(capacity)
+    for c, n in ops:
+        index.record("w", hashed[c][:n])
+        assert index.size("w") <= capacity
+    c, n = probe
+    blocks = hashed[c][:n]
+    present = [index.match("w", [h]) == 1 for h in blocks]  # one-block queries: plain membership
+    linear = present.index(False) if False in present else len(present)
+    assert index.match("w", blocks) == linear
+    assert index.match("other", blocks) == 0
+    # the last recorded prefix is fully present when it fits the capacity
+    last_c, last_n = ops[-1]
+    if last_n <= capacity:
+        assert index.match("w", hashed[last_c][:last_n]) == last_n
+    index.forget("w")
+    assert index.match("w", blocks) == 0
+
+
+def test_prefix_index_evicts_least_recently_used_prefixes():
+    index = PrefixIndex(capacity_blocks_per_worker=6)
+    a, b, c = [1, 2, 3], [10, 20, 30], [100, 200, 300]
+    index.record("w", a)
+    index.record("w", b)
+    index.record("w", a)  # a is now the most recent
+    index.record("w", c)  # evicts b, deepest block first
+    assert index.match("w", a) == 3 and index.match("w", c) == 3 and index.match("w", b) == 0
+
+
+# ---------------------------------------------------------------------------------------------------- simple policies
+
+
+def test_make_policy_names():
+    for name in POLICIES:
+        assert make_policy(name, seed=0).name == name
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random")
+    with pytest.raises(ValueError):
+        make_policy("prefix_hash", load_factor=0.5)
+
+
+def test_round_robin_cycles():
+    policy = make_policy("round_robin")
+    ws = urls(3)
+    workers = [WorkerLoad(u, inflight_tokens=t) for u, t in zip(ws, (900, 0, 5))]  # load is ignored
+    firsts = [policy.rank(None, workers, 10)[0].worker for _ in range(6)]
+    assert firsts == sorted(ws) * 2
+    ranking = policy.rank(None, list(reversed(workers)), 10)
+    assert [d.worker for d in ranking] == sorted(ws)  # continues the rotation, whatever the input order
+    assert {d.reason for d in ranking} == {"fallback"}
+
+
+def test_least_load_picks_the_minimum():
+    policy = make_policy("least_load")
+    rng = random.Random(5)
+    for _ in range(50):
+        workers = [WorkerLoad(u, rng.randint(0, 3), rng.randint(0, 5) * 100) for u in urls(5)]
+        ranking = policy.rank(None, workers, 10)
+        loads = [(w.inflight_tokens, w.inflight_requests, w.url) for w in workers]
+        assert [d.worker for d in ranking] == [u for _, _, u in sorted(loads)]
+
+
+def test_power_of_two_takes_the_lower_of_its_samples():
+    policy = make_policy("power_of_two", seed=7)
+    ws = urls(4)
+    workers = [WorkerLoad(u, inflight_tokens=t) for u, t in zip(ws, (10, 20, 30, 40))]
+    firsts = Counter()
+    for _ in range(400):
+        ranking = policy.rank(None, workers, 10)
+        assert sorted(d.worker for d in ranking) == sorted(ws)
+        loads = {w.url: w.inflight_tokens for w in workers}
+        assert loads[ranking[0].worker] < loads[ranking[1].worker]  # the better of the two samples first
+        firsts[ranking[0].worker] += 1
+    assert ws[3] not in firsts  # the most loaded never wins a pair
+    assert firsts[ws[0]] > firsts[ws[1]] > firsts[ws[2]] > 0  # P(first) = 3/6, 2/6, 1/6
+    assert [d.worker for d in make_policy("power_of_two").rank(None, workers[:1], 5)] == [ws[0]]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_predicts_cached_tokens_from_what_it_sent(name):
+    policy = make_policy(name, seed=0)
+    ws = urls(3)
+    policy.set_workers(ws)
+    blocks = (11, 22, 33, 44)
+    policy.record(ws[1], key_of(0, blocks[:3]))
+    key = key_of(44, blocks, prompt_tokens=60)
+    predicted = {d.worker: d.predicted_cached_tokens for d in policy.rank(key, idle(ws), 10)}
+    assert predicted == {ws[0]: 0, ws[1]: 48, ws[2]: 0}
+    policy.record(ws[1], key)
+    assert {d.worker: d.predicted_cached_tokens for d in policy.rank(key, idle(ws), 10)}[ws[1]] == 59  # 4 blocks = 64 tokens, capped at prompt - 1
+    policy.forget_worker(ws[1])
+    assert all(d.predicted_cached_tokens == 0 for d in policy.rank(key, idle(ws), 10))
+
+
+# ---------------------------------------------------------------------------------------------------- required properties
+
+WORDS = (
+    "train ticket museum river bridge harbor castle market garden station coffee bakery ancient modern quiet busy "
+    "north south evening morning weekend holiday family student journey mountain valley island village city"
+).split()
+
+
+def sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
+
+
+@pytest.fixture(params=["tokens", "chars"])
+def extractor(request) -> PrefixKeyExtractor:
+    """The real key extractor: on the demo model's tokens when it is converted, and on characters."""
+    ex = PrefixKeyExtractor(block_tokens=16, block_chars=64, prefix_blocks=8)
+    if request.param == "tokens":
+        if not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
+            pytest.skip("demo model not converted; run `make install`")
+        from transformers import AutoTokenizer
+
+        ex.set_tokenizer(MODEL, AutoTokenizer.from_pretrained(MODEL_DIR))
+    return ex
+
+
+class LoadModel:
+    """Workers with in-flight tokens: each routed request adds (prompt - predicted cached + max_tokens) to its worker
+    and finishes once ``concurrency`` later requests were routed (FIFO)."""
+
+    def __init__(self, policy, ws: list[str], concurrency: int, max_tokens: int = 64):
+        self.policy, self.concurrency, self.max_tokens = policy, concurrency, max_tokens
+        self.loads = {u: WorkerLoad(u) for u in ws}
+        self.inflight: deque[tuple[str, int]] = deque()
+
+    def route(self, key: PrefixKey):
+        while len(self.inflight) >= self.concurrency:
+            url, cost = self.inflight.popleft()
+            self.loads[url].inflight_requests -= 1
+            self.loads[url].inflight_tokens -= cost
+        cost = key.prompt_tokens + self.max_tokens
+        snapshot = {u: w.inflight_tokens for u, w in self.loads.items()}
+        decision = self.policy.rank(key, list(self.loads.values()), cost)[0]
+        added = cost - decision.predicted_cached_tokens
+        self.loads[decision.worker].inflight_requests += 1
+        self.loads[decision.worker].inflight_tokens += added
+        self.inflight.append((decision.worker, added))
+        self.policy.record(decision.worker, key)
+        return decision, snapshot, cost
+
+
+@pytest.mark.parametrize("system", [True, False], ids=["own-system-prompt", "no-system-prompt"])
+@pytest.mark.parametrize("concurrency", [1, 6])
+def test_turn_n_plus_1_follows_turn_n_whenever_load_allows(extractor, system, concurrency):
+    """16 conversations × 4 turns, interleaved, 4 workers: each turn goes to the previous turn's worker whenever that
+    worker fits the load bound (with no concurrency: always)."""
+    rng = random.Random(6)
+    ws = urls(4)
+    policy = make_policy("prefix_hash")
+    policy.set_workers(ws)
+    sim = LoadModel(policy, ws, concurrency)
+    convs = [[{"role": "system", "content": f"Conversation {c}. " + sentence(rng, 40)}] if system else []
+             for c in range(16)]
+    last: dict[int, str] = {}
+    checked = stuck = 0
+    for turn in range(4):
+        for c in rng.sample(range(16), 16):
+            convs[c].append({"role": "user", "content": f"Question {c}.{turn}: " + sentence(rng, 25)})
+            key = extractor.extract("chat", {"model": MODEL, "messages": convs[c]}, MODEL)
+            assert key is not None
+            decision, loads, cost = sim.route(key)
+            if c in last and fits(loads[last[c]], cost, list(loads.values())):
+                checked += 1
+                stuck += decision.worker == last[c]
+                assert decision.reason == "prefix-hit"
+            last[c] = decision.worker
+            convs[c].append({"role": "assistant", "content": sentence(rng, 20)})
+    assert checked >= (48 if concurrency == 1 else 8)  # the loaded run really exercised the property
+    assert stuck == checked
+
+
+def test_shared_system_prompt_stays_on_its_worker_until_load_spills(extractor):
+    """Conversations sharing only a long system prompt (more than K blocks) share its routing key, so they all go
+    to its owner while the owner fits, and spill to other workers ("load-spill") when it does not."""
+    rng = random.Random(8)
+    ws = urls(4)
+    system = "Shared instructions: " + sentence(rng, 160)
+    bodies = [
+        {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"{c} " + sentence(rng, 12)}]}
+        for c in range(40)
+    ]
+    keys = [extractor.extract("chat", b, MODEL) for b in bodies]
+    assert all(len(k.blocks) > 8 for k in keys)
+    assert len({k.routing_key for k in keys}) == 1  # only the system prompt is in the first K blocks
+
+    # unloaded: one worker takes them all
+    sequential = make_policy("prefix_hash")
+    sequential.set_workers(ws)
+    seq = LoadModel(sequential, ws, concurrency=1)
+    owner = sequential.rank(keys[0], idle(ws), 1)[0].worker
+    assert all(seq.route(k)[0].worker == owner for k in keys)
+
+    # loaded: the owner takes every request it fits, the others spill
+    policy = make_policy("prefix_hash")
+    policy.set_workers(ws)
+    sim = LoadModel(policy, ws, concurrency=8)
+    reasons, chosen = [], Counter()
+    for k in keys:
+        decision, loads, cost = sim.route(k)
+        chosen[decision.worker] += 1
+        if fits(loads[owner], cost, list(loads.values())):
+            assert decision.worker == owner and decision.reason == "prefix-hit"
+        else:
+            assert decision.worker != owner
+            reasons.append(decision.reason)
+    assert reasons and reasons[0] == "load-spill"
+    assert chosen.most_common(1)[0][0] == owner and len(chosen) > 1
