@@ -61,17 +61,20 @@ class _Dropped(Exception):
 class Proxy:
     """Routes and relays the generation requests. One per app; holds no per-request state.
 
-    ``client`` is the one pooled ``httpx.AsyncClient`` for all upstream requests (no per-request client).
+    ``transport`` is the one pooled ``httpx.AsyncHTTPTransport`` for all upstream requests (the app's shared
+    ``httpx.AsyncClient`` wraps the same transport); requests go to it directly, with ``timeout`` applied per request.
     """
 
     def __init__(self, args: RouterArgs, pool: WorkerPool, policy: RoutingPolicy, extractor: Any,
-                 metrics: RouterMetrics, client: httpx.AsyncClient) -> None:
+                 metrics: RouterMetrics, transport: httpx.AsyncHTTPTransport, timeout: httpx.Timeout) -> None:
         self.args = args
         self.pool = pool
         self.policy = policy
         self.extractor = extractor
         self.metrics = metrics
-        self.client = client
+        self.transport = transport
+        self._extensions = {"timeout": timeout.as_dict()}
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
         self._auth = f"Bearer {args.engine_api_key}" if args.engine_api_key else None
         self._requests_children: dict[tuple[str, int], Any] = {}
         self._decision_children = {r: metrics.decisions.labels(r) for r in constants.ROUTE_REASONS}
@@ -323,10 +326,15 @@ class _Relay:
         await self._relay(send, resp, decision.worker, reason)
 
     async def _send(self, w: WorkerState) -> httpx.Response:
-        client = self.p.client
-        request = client.build_request("POST", w.url + self.path, content=self.content, headers=self.headers)
+        p = self.p
+        url = p._urls.get((w.url, self.path))
+        if url is None:
+            url = p._urls[(w.url, self.path)] = httpx.URL(w.url + self.path)
+        request = httpx.Request("POST", url, content=self.content, headers=self.headers, extensions=p._extensions)
         try:
-            return await client.send(request, stream=True)
+            # Straight to the pooled transport: AsyncClient.send adds cookies, auth, redirects and event hooks that
+            # a proxy does not use (about a fifth of the router's CPU per request, measured).
+            return await p.transport.handle_async_request(request)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             raise _Dropped(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
         except httpx.RemoteProtocolError as e:
