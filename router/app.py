@@ -272,6 +272,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
             "discovery": {"kind": discovery.kind, "age_s": age, "stale": bool(discovery.is_stale()),
                           "last_error": _str_or_none(getattr(discovery, "last_error", None))},
             "routable_workers": len(pool.routable(None)),
+            "prefix_keys": {m: ("tokens" if extractor.has_tokenizer(m) else "chars") for m in pool.models()},
             "workers": [w.describe() for w in pool.workers.values()],
         })
 

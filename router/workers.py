@@ -76,8 +76,13 @@ class WorkerState:
 
 @dataclass
 class _TokenizerFetch:
-    done: bool = False  # a tokenizer was set, or the engines said they have none (404)
+    done: bool = False  # a tokenizer was set, or the engines said they have none (404), or we gave up
     task: asyncio.Task[None] | None = None
+    failures: int = 0
+
+
+# Transient tokenizer-fetch failures tolerated before a model routes on character blocks for good.
+_TOKENIZER_ATTEMPTS = 3
 
 
 class WorkerPool:
@@ -260,6 +265,11 @@ class WorkerPool:
                 models = tuple(cards)
                 if not models:
                     raise _ProbeError("/v1/models listed no model")
+                # Admit the worker only once its model's prefix keys are settled: keys computed on character blocks
+                # before the tokenizer arrived would differ from later token-block keys, splitting a conversation's
+                # turns across workers (regression: turn 2 of a chat landed on the other engine).
+                for model in models:
+                    await self._tokenizer_settled(model, w)
                 if w.removed or w.state != "pending":
                     return
                 w.models = models
@@ -284,11 +294,21 @@ class WorkerPool:
             self._ensure_tokenizer(model, w)
 
     # ------------------------------------------------------------------------------------------------ tokenizers
-    def _ensure_tokenizer(self, model: str, w: WorkerState) -> None:
+    def _ensure_tokenizer(self, model: str, w: WorkerState) -> _TokenizerFetch:
         f = self._tokenizers.setdefault(model, _TokenizerFetch())
         if f.done or (f.task is not None and not f.task.done()) or self.extractor.has_tokenizer(model):
-            return
+            return f
         f.task = asyncio.get_running_loop().create_task(self._fetch_tokenizer(model, w, f))
+        return f
+
+    async def _tokenizer_settled(self, model: str, w: WorkerState) -> None:
+        """Wait for this attempt to fetch ``model``'s tokenizer from ``w`` (never raises; a failed attempt leaves
+        ``done`` False and the worker pending until the next probe, at most ``_TOKENIZER_ATTEMPTS`` times)."""
+        f = self._ensure_tokenizer(model, w)
+        if f.task is not None and not f.task.done():
+            await asyncio.shield(f.task)
+        if not f.done and not self.extractor.has_tokenizer(model):
+            raise _ProbeError(f"tokenizer for {model} not loaded yet")
 
     async def _fetch_tokenizer(self, model: str, w: WorkerState, f: _TokenizerFetch) -> None:
         try:
@@ -299,6 +319,11 @@ class WorkerPool:
                 logger.info("model %s: no tokenizer from %s; routing on character blocks", model, w.url)
                 return
             if r.status_code != 200:
+                f.failures += 1
+                if f.failures >= _TOKENIZER_ATTEMPTS:
+                    f.done = True
+                    logger.warning("model %s: %s answered %d for its tokenizer %d times; routing on character "
+                                   "blocks", model, w.url, r.status_code, f.failures)
                 return  # try again on the next probe
             files = r.json().get("files")
             if not isinstance(files, dict) or not files:
@@ -312,6 +337,10 @@ class WorkerPool:
             logger.info("model %s: tokenizer from %s; routing on token blocks", model, w.url)
         except asyncio.CancelledError:
             raise
+        except httpx.TransportError as e:  # the engine went away mid-fetch: try again on the next probe
+            f.failures += 1
+            f.done = f.failures >= _TOKENIZER_ATTEMPTS
+            logger.info("model %s: tokenizer fetch from %s failed: %s", model, w.url, _describe(e))
         except Exception as e:  # a broken tokenizer must not stop routing: character blocks stay
             f.done = True
             logger.warning("model %s: tokenizer from %s unusable (%s); routing on character blocks", model, w.url,

@@ -383,3 +383,40 @@ def test_client_disconnect_aborts_upstream(tok):
             assert wait_until(lambda: rid in fakes[0].aborted, 30), fakes[0].aborted
             assert wait_until(lambda: health(r)["workers"][0]["inflight_requests"] == 0, 10)
         assert health(r)["workers"][0]["inflight_tokens"] == 0
+
+
+def test_worker_admitted_only_once_its_tokenizer_is_settled(tok, tmp_path):
+    """Regression: a worker became routable before the router had its model's tokenizer, so turn 1 of a chat was
+    keyed on character blocks and turn 2 on token blocks, and the turns landed on different engines."""
+    import threading
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from radixserve.engine.server.http import saved_tokenizer_files
+
+    release = threading.Event()
+    files = saved_tokenizer_files(tok)
+    slow = FastAPI()
+
+    @slow.get("/health")
+    def _health() -> dict:
+        return {}
+
+    @slow.get("/v1/models")
+    def _models() -> dict:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    @slow.get(constants.ENGINE_TOKENIZER_FILES_PATH)
+    def _tokenizer() -> JSONResponse:  # sync route: runs in a thread, so waiting here blocks only this request
+        release.wait(30)
+        return JSONResponse({"model": MODEL, "files": files})
+
+    with ServerThread(slow) as upstream, ServerThread(create_app(RouterArgs(worker_urls=[upstream],
+                                                                          health_interval_s=0.2))) as r:
+        time.sleep(1.5)  # several probe periods
+        assert health(r)["routable_workers"] == 0
+        assert httpx.get(r + constants.ROUTER_READY_PATH).status_code == 503
+        release.set()
+        assert wait_until(lambda: health(r)["routable_workers"] == 1, 30)
+        assert health(r)["prefix_keys"] == {MODEL: "tokens"}
