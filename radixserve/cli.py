@@ -1,10 +1,13 @@
 """The ``radixserve`` console script (also ``python -m radixserve``).
 
 ``radixserve engine [flags]``   one engine (FastAPI + uvicorn) on --host/--port (default 127.0.0.1:30000).
-``radixserve up [flags]``       the local stack; for now one engine with the demo model on 127.0.0.1:8000.
-``radixserve router|operator``  not implemented yet (issues 3 and 5).
+``radixserve router [flags]``   the cache-aware router (default 127.0.0.1:8000) in front of engines.
+``radixserve up [flags]``       the local stack: the router on 127.0.0.1:8000 in front of --engines engine processes
+                                on 127.0.0.1:30000, 30001, ... serving the demo model (engine flags apply to each).
+``radixserve operator``         not implemented yet (issue 5).
 
-Engine flags are ``EngineArgs`` fields in ``--kebab-case`` (``radixserve.engine.config.add_engine_args``).
+Engine flags are ``EngineArgs`` fields in ``--kebab-case`` (``radixserve.engine.config.add_engine_args``); router flags
+are ``RouterArgs`` fields (``radixserve.router.config.add_router_args``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 from radixserve import constants
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
-_NOT_YET = {"router": 3, "operator": 5}  # subcommand -> the issue that builds it
+_NOT_YET = {"operator": 5}  # subcommand -> the issue that builds it
 
 
 def resolve_model_path(path: str) -> str:
@@ -36,11 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     from radixserve.engine.config import add_engine_args
 
     parser = argparse.ArgumentParser(prog="radixserve", description="SGLang-style LLM serving")
+    from radixserve.router.config import add_router_args
+    from radixserve.router.policy import POLICIES
+
     sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,router,operator}")
     p_engine = sub.add_parser("engine", help="run one engine (OpenAI-compatible HTTP server)")
     add_engine_args(p_engine)
-    p_up = sub.add_parser("up", help=f"run the local stack on {constants.PUBLIC_HOST}:{constants.PUBLIC_PORT}")
+    p_router = sub.add_parser("router", help="run the cache-aware router in front of engines")
+    add_router_args(p_router)
+    p_up = sub.add_parser(
+        "up", help=f"run the local stack (router on {constants.PUBLIC_HOST}:{constants.PUBLIC_PORT} + engines)",
+        description="--host/--port/--api-key/--log-level/--max-request-body-bytes apply to the router (the public "
+        "endpoint); every other engine flag is passed to each engine.",
+    )
     add_engine_args(p_up)
+    p_up.add_argument("--engines", type=int, default=2, help="engine processes behind the router (default 2)")
+    p_up.add_argument("--engine-base-port", type=int, default=constants.ENGINE_PORT,
+                      help="port of the first engine; the others take the next ports")
+    p_up.add_argument("--policy", choices=POLICIES, default="prefix_hash", help="routing policy")
     # At OpenAI's default temperature 1.0 the 4-bit 135M demo model rambles (see DEMO_MODEL_SAMPLING_DEFAULTS);
     # requests that set temperature still get what they ask for.
     p_up.set_defaults(host=constants.PUBLIC_HOST, port=constants.PUBLIC_PORT, model_path=constants.DEMO_MODEL_DIR,
@@ -89,16 +105,57 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixserve {argv[0]}: not implemented yet (issue {_NOT_YET[argv[0]]})", file=sys.stderr)
         return 2
     ns = build_parser().parse_args(argv)
-    from radixserve.engine.config import engine_args_from_namespace
-
-    args = engine_args_from_namespace(ns)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if ns.command in ("router", "up"):
+        raise_open_files_limit()
     try:
+        if ns.command == "router":
+            from radixserve.router.app import run_router
+            from radixserve.router.config import router_args_from_namespace
+
+            return run_router(router_args_from_namespace(ns))
+        from radixserve.engine.config import engine_args_from_namespace
+
+        args = engine_args_from_namespace(ns)
+        if ns.command == "up":
+            return run_up(args, ns)
         return run_engine(args)
-    except KeyboardInterrupt:  # Ctrl-C while the model was still loading
+    except KeyboardInterrupt:  # Ctrl-C while a model was still loading
         return 130
+    except ValueError as e:  # bad flag values the parsers could not catch
+        print(f"radixserve {ns.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft open-files limit to the hard one: a router holds two sockets per stream (client + engine), and
+    the usual soft limit of 1024 would refuse connections near 500 concurrent streams."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: keep the limit
+        pass
+
+
+def run_up(engine_args: "EngineArgs", ns: argparse.Namespace) -> int:  # noqa: F821
+    """The local stack: router flags from the public-endpoint flags, engines from the rest."""
+    from radixserve.local_stack import run_local_stack
+    from radixserve.router.config import RouterArgs
+
+    router_args = RouterArgs(
+        host=engine_args.host, port=engine_args.port, policy=ns.policy, api_key=engine_args.api_key,
+        engine_api_key=engine_args.api_key, log_level=engine_args.log_level,
+        max_request_body_bytes=engine_args.max_request_body_bytes,
+    )
+    engine_args.model_path = resolve_model_path(engine_args.model_path)
+    if engine_args.tokenizer_path:
+        engine_args.tokenizer_path = resolve_model_path(engine_args.tokenizer_path)
+    return run_local_stack(engine_args, router_args, ns.engines, ns.engine_base_port)
 
 
 if __name__ == "__main__":  # pragma: no cover

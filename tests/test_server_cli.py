@@ -8,10 +8,33 @@ from radixserve import constants
 from radixserve.cli import build_parser, main, resolve_model_path
 
 
-@pytest.mark.parametrize("cmd, issue", [("router", 3), ("operator", 5)])
-def test_not_implemented_subcommands_exit_2(cmd, issue, capsys):
-    assert main([cmd, "--worker-urls", "x"]) == 2
-    assert f"issue {issue}" in capsys.readouterr().err
+def test_not_implemented_subcommands_exit_2(capsys):
+    assert main(["operator", "--whatever"]) == 2
+    assert "issue 5" in capsys.readouterr().err
+
+
+def test_router_without_workers_is_a_clear_usage_error(capsys):
+    assert main(["router"]) == 2
+    assert "--worker-urls" in capsys.readouterr().err
+
+
+def test_up_forwards_engine_flags_and_splits_threads():
+    from radixserve.engine.config import engine_args_from_namespace
+    from radixserve.local_stack import engine_argv, split_threads
+
+    ns = build_parser().parse_args(["up", "--context-length", "2048", "--disable-radix-cache", "--engines", "3",
+                                    "--policy", "round_robin"])
+    assert (ns.engines, ns.policy) == (3, "round_robin")
+    argv = engine_argv(engine_args_from_namespace(ns), 30001, 2)
+    assert argv[1:4] == ["-m", "radixserve", "engine"]
+    flags = argv[4:]
+    assert flags[flags.index("--port") + 1] == "30001" and flags[flags.index("--num-threads") + 1] == "2"
+    assert flags[flags.index("--context-length") + 1] == "2048" and "--disable-radix-cache" in flags
+    assert flags[flags.index("--host") + 1] == "127.0.0.1"
+    assert flags.count("--port") == 1  # the router's public --port is not forwarded
+    assert "--preferred-sampling-params" in flags  # `up`'s greedy default reaches the engines
+    assert "--max-running-requests" not in flags  # defaults are left to the engine
+    assert split_threads(2, 2) == 1 and split_threads(1, 2) == 1 and split_threads(16, 3) == 5
 
 
 def test_up_defaults_to_the_public_endpoint_and_demo_model():

@@ -1,0 +1,137 @@
+"""``radixserve up``: the local stack — the router on 127.0.0.1:8000 in front of N engine processes on 30000, 30001...
+
+Each engine is a child process (``python -m radixserve engine``) with its share of the CPU threads; the router runs in
+this process with static discovery of the engines' URLs. A supervisor thread restarts an engine that exits on its own
+(back-off 1 s doubling to 30 s), so killing one is a fault the router rides out (ejection, then re-admission), not the
+end of the stack. Ctrl-C / SIGTERM stops the router, then the engines (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixserve.engine.config import EngineArgs
+    from radixserve.router.config import RouterArgs
+
+logger = logging.getLogger("radixserve.up")
+
+# Engine fields the stack sets per process; every other non-default engine flag is forwarded as given.
+_PER_ENGINE_FIELDS = frozenset({"host", "port", "num_threads"})
+
+
+def engine_argv(args: "EngineArgs", port: int, num_threads: int) -> list[str]:
+    """Command line for one engine child: ``python -m radixserve engine`` with every engine flag that differs from
+    its default, plus this engine's port and thread count."""
+    from radixserve.engine.config import EngineArgs
+
+    argv = [sys.executable, "-m", "radixserve", "engine", "--host", "127.0.0.1", "--port", str(port),
+            "--num-threads", str(num_threads)]
+    defaults = EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(args, f.name)
+        if f.name in _PER_ENGINE_FIELDS or value == getattr(defaults, f.name) or value is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def split_threads(total: int | None, engines: int) -> int:
+    """Threads per engine: ``total`` (default: the CPUs this process may use) shared evenly, at least 1 each."""
+    if total is None:
+        total = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, total // engines)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the stack process dies, even by SIGKILL (no orphans)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class EngineSupervisor:
+    """Starts the engine children and restarts any that exit while the stack runs.
+
+    ``argvs[i]`` is engine i's command line. ``stop()`` sends SIGTERM to all, waits ``grace_s`` seconds, then kills.
+    """
+
+    def __init__(self, argvs: list[list[str]], grace_s: float = 15.0):
+        self.argvs = argvs
+        self.grace_s = grace_s
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(argvs)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="radixserve-supervisor", daemon=True)
+
+    def start(self) -> None:
+        for i in range(len(self.argvs)):
+            self._spawn(i)
+        self._thread.start()
+
+    def _spawn(self, i: int) -> None:
+        # Own process group: a terminal's Ctrl-C reaches only this process, which then stops the engines in order.
+        self.procs[i] = subprocess.Popen(self.argvs[i], start_new_session=True, preexec_fn=_die_with_parent)
+        logger.info("engine %d started (pid %d): %s", i, self.procs[i].pid, " ".join(self.argvs[i][2:]))
+
+    def _watch(self) -> None:
+        backoff = [1.0] * len(self.argvs)
+        while not self._stopping.wait(0.5):
+            for i, proc in enumerate(self.procs):
+                if proc is None or proc.poll() is None:
+                    continue
+                logger.warning("engine %d exited with status %s; restarting in %.0f s", i, proc.returncode,
+                               backoff[i])
+                if self._stopping.wait(backoff[i]):
+                    return
+                backoff[i] = min(backoff[i] * 2, 30.0)
+                self._spawn(i)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        live = [p for p in self.procs if p is not None and p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for p in live:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("engine pid %d did not stop in %.0f s; killing it", p.pid, self.grace_s)
+                p.kill()
+                p.wait()
+
+
+def run_local_stack(engine_args: "EngineArgs", router_args: "RouterArgs", engines: int, engine_base_port: int) -> int:
+    """Run ``engines`` engine children on ``engine_base_port``, ``+1``, ... and the router (``router_args``, whose
+    worker URLs are set here) in this process until Ctrl-C/SIGTERM. Returns the exit status."""
+    from radixserve.router.app import run_router
+
+    if engines < 1:
+        raise ValueError("--engines must be at least 1")
+    threads = split_threads(engine_args.num_threads, engines)
+    ports = [engine_base_port + i for i in range(engines)]
+    supervisor = EngineSupervisor([engine_argv(engine_args, port, threads) for port in ports])
+    router_args.worker_urls = [f"http://127.0.0.1:{port}" for port in ports]
+    logger.info("starting %d engine(s) with %d thread(s) each on ports %s", engines, threads, ports)
+    supervisor.start()
+    try:
+        return run_router(router_args)
+    finally:
+        supervisor.stop()
