@@ -419,20 +419,31 @@ class _Relay:
         # The engine adds "usage":null as the last key of every chunk once usage is asked for; drop it so the client
         # gets the same bytes as without include_usage.
         complete = complete.replace(b',"usage":null}\n\n', b'}\n\n')
-        if b'"usage":{' not in complete:
+        if b'"usage"' not in complete:
             return complete
         kept = []
         for event in complete.split(b"\n\n")[:-1]:
-            if b'"usage":{' in event and b'"choices":[]' in event and event.startswith(b"data: "):
-                try:
-                    usage = json.loads(event[6:]).get("usage") or {}
-                except ValueError:
-                    kept.append(event)
-                    continue
+            if b'"usage"' not in event or not event.startswith(b"data: "):
+                kept.append(event)
+                continue
+            # Not our engine's compact form (another server, or spaces): decide on the parsed chunk.
+            try:
+                chunk = json.loads(event[6:])
+            except ValueError:
+                kept.append(event)
+                continue
+            if not isinstance(chunk, dict) or "usage" not in chunk:
+                kept.append(event)
+                continue
+            usage = chunk.get("usage")
+            if isinstance(usage, dict) and chunk.get("choices") == []:
                 details = usage.get("prompt_tokens_details") or {}
                 c = details.get("cached_tokens") if isinstance(details, dict) else None
                 if isinstance(c, int):
                     cached[b""] = c
-                continue
+                continue  # the usage-only chunk the client did not ask for
+            if usage is None:
+                del chunk["usage"]
+                event = b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
             kept.append(event)
         return b"".join(e + b"\n\n" for e in kept)

@@ -420,3 +420,52 @@ def test_worker_admitted_only_once_its_tokenizer_is_settled(tok, tmp_path):
         release.set()
         assert wait_until(lambda: health(r)["routable_workers"] == 1, 30)
         assert health(r)["prefix_keys"] == {MODEL: "tokens"}
+
+
+def test_injected_usage_chunk_stripped_from_non_compact_json_streams():
+    """Regression: the usage chunk the router asked for was only recognised in compact JSON; an upstream writing
+    ``"choices": []`` with spaces leaked it to a client that never asked for usage (bench/router.py's canned
+    upstream)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    seen: list[dict] = []
+
+    async def _health(request: Any) -> Response:
+        return Response(status_code=200)
+
+    async def _models(request: Any) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "spacey", "object": "model"}]})
+
+    async def _chat(request: Any) -> Response:
+        body = await request.json()
+        seen.append(body)
+        usage = (body.get("stream_options") or {}).get("include_usage")
+
+        def events():
+            for piece in ("a", "b"):
+                chunk = {"id": "x", "choices": [{"index": 0, "delta": {"content": piece}}]}
+                if usage:
+                    chunk["usage"] = None
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if usage:
+                yield "data: " + json.dumps({"id": "x", "choices": [], "usage": {
+                    "prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11,
+                    "prompt_tokens_details": {"cached_tokens": 7}}}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    upstream = Starlette(routes=[Route("/health", _health), Route("/v1/models", _models),
+                                 Route("/v1/chat/completions", _chat, methods=["POST"])])
+
+    with ServerThread(upstream) as up, router([up]) as r:
+        resp = httpx.post(r + "/v1/chat/completions", timeout=30,
+                          json={"model": "spacey", "messages": MSGS, "stream": True})
+        assert resp.status_code == 200
+        chunks = sse_payloads(resp.text)
+        assert seen[-1]["stream_options"] == {"include_usage": True}  # the router asked for usage...
+        assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["a", "b"]  # ...and hid it
+        assert all("usage" not in c for c in chunks)
+        assert metric(r, "actual_cached_tokens_total") == 7
