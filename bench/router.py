@@ -265,7 +265,7 @@ async def many_streams(url: str, n: int) -> dict:
                 count = 0
                 async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
                     if r.status_code != 200:
-                        errors.append(f"HTTP {r.status_code}")
+                        errors.append(f"HTTP {r.status_code}: {(await r.aread())[:160].decode(errors='replace')}")
                         return
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):

@@ -40,7 +40,7 @@ class RouterArgs:
     load_factor: float = 1.25  # bounded-load cap: a worker may take up to load_factor x the mean load
     virtual_nodes: int = 256  # ring points per worker
     default_max_tokens: int = 256  # cost estimate of a request that sets no max tokens
-    connect_timeout_s: float = 5.0
+    connect_timeout_s: float = 10.0
     request_timeout_s: float = 600.0  # the longest wait for the next byte from an engine
     max_retries: int = 2  # extra attempts on connect errors / 503 before the first byte
     health_interval_s: float = 5.0
