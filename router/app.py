@@ -168,14 +168,14 @@ def _default_namespace() -> str:
 
 
 def _build_discovery(args: RouterArgs) -> Any:
-    from radixserve.router.discovery import EndpointSliceDiscovery, StaticDiscovery, kube_api_client
+    from radixserve.router.discovery import EndpointSliceDiscovery, StaticDiscovery
 
     if not args.service_discovery:
         return StaticDiscovery(args.worker_urls)
     return EndpointSliceDiscovery(
         args.namespace or _default_namespace(), args.service_name,
         all_inference_services=args.all_inference_services, port_name=constants.HTTP_PORT_NAME,
-        relist_interval_s=args.discovery_relist_s, stale_after_s=args.discovery_stale_s, api_client=kube_api_client(),
+        relist_interval_s=args.discovery_relist_s, stale_after_s=args.discovery_stale_s,
     )
 
 
