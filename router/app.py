@@ -191,7 +191,8 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     if discovery is None:
         discovery = _build_discovery(args)
     metrics = RouterMetrics(discovery_age=discovery.age_s)
-    policy = make_policy(args.policy, virtual_nodes=args.virtual_nodes, load_factor=args.load_factor)
+    policy = make_policy(args.policy, virtual_nodes=args.virtual_nodes, load_factor=args.load_factor,
+                         balance_abs_tokens=args.balance_abs_tokens)
     extractor = PrefixKeyExtractor(block_tokens=args.block_tokens, block_chars=args.block_chars,
                                    prefix_blocks=args.prefix_blocks)
     # One pooled client for all proxied requests; keep-alive shorter than uvicorn's 5 s so the engine never closes a

@@ -17,12 +17,14 @@ def make_policy(
     load_factor: float = 1.25,
     capacity_blocks_per_worker: int = 65536,
     seed: int | None = None,
+    balance_abs_tokens: int = 2048,
 ) -> RoutingPolicy:
-    """A new policy by name (one of ``POLICIES``). ``virtual_nodes`` and ``load_factor`` are ``prefix_hash``'s;
+    """A new policy by name (one of ``POLICIES``). ``virtual_nodes``, ``load_factor`` and ``balance_abs_tokens``
+    (tokens of imbalance tolerated before the load bound applies) are ``prefix_hash``'s;
     ``seed`` is ``power_of_two``'s; every policy keeps a prefix index of ``capacity_blocks_per_worker`` blocks per
     worker for its predicted cached tokens. Raises ``ValueError`` for an unknown name."""
     if name == "prefix_hash":
-        return PrefixHashPolicy(virtual_nodes, load_factor, capacity_blocks_per_worker)
+        return PrefixHashPolicy(virtual_nodes, load_factor, capacity_blocks_per_worker, balance_abs_tokens)
     if name == "least_load":
         return LeastLoadPolicy(capacity_blocks_per_worker)
     if name == "round_robin":

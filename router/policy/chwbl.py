@@ -26,19 +26,26 @@ class PrefixHashPolicy(IndexedPolicy):
 
     ``set_workers`` defines the ring; ``rank`` gets a subset (healthy workers of one model) and skips the others
     while walking, without rebuilding, so a worker that is ejected and readmitted gets exactly its keys back.
-    A worker fits when ``load + cost <= max(load_factor * (total_load + cost) / n, min_load + cost)``: the paper's
-    bound, relaxed so the least loaded worker always fits (with an idle worker this is ``max(.., cost)``; without the
-    relaxation one prompt larger than the mean load would fit nowhere and lose its prefix affinity). Raises ``ValueError`` for ``virtual_nodes < 1`` or ``load_factor < 1``.
+    ``cost`` is per worker: the request's tokens minus what that worker is predicted to hold cached (a later turn
+    costs its holder only the new tokens, and a cold worker the whole prompt). A worker fits when
+    ``load + cost <= load_factor * (total_load + cost) / n`` (the paper's bound, in tokens), or when its load exceeds
+    the least loaded worker's by at most ``balance_abs_tokens``: below that, an imbalance costs less than the cache
+    miss a spill causes (SGLang's router balances only past an absolute threshold too, 64 requests there). So the
+    least loaded worker always fits, and a prompt larger than the mean load keeps its prefix affinity. Raises ``ValueError`` for ``virtual_nodes < 1`` or ``load_factor < 1``.
     """
 
     name = "prefix_hash"
 
-    def __init__(self, virtual_nodes: int = 256, load_factor: float = 1.25, capacity_blocks_per_worker: int = 65536):
+    def __init__(self, virtual_nodes: int = 256, load_factor: float = 1.25, capacity_blocks_per_worker: int = 65536,
+                 balance_abs_tokens: int = 2048):
         if virtual_nodes < 1:
             raise ValueError("virtual_nodes must be >= 1")
         if load_factor < 1.0:
             raise ValueError("load_factor must be >= 1 (1.25 = 125% of the mean load)")
+        if balance_abs_tokens < 0:
+            raise ValueError("balance_abs_tokens must be >= 0")
         super().__init__(capacity_blocks_per_worker)
+        self.balance_abs_tokens = balance_abs_tokens
         self.virtual_nodes = virtual_nodes
         self.load_factor = load_factor
         self._points: list[int] = []  # sorted ring positions
@@ -85,8 +92,15 @@ class PrefixHashPolicy(IndexedPolicy):
         order = self.walk(key.routing_key, list(by_url))
         total = sum(w.inflight_tokens for w in by_url.values())
         least = min(w.inflight_tokens for w in by_url.values())
-        bound = max(self.load_factor * (total + cost_tokens) / len(by_url), least + cost_tokens)
-        fitting = [u for u in order if by_url[u].inflight_tokens + cost_tokens <= bound]
+        n = len(by_url)
+
+        def fits(url: str) -> bool:
+            load = by_url[url].inflight_tokens
+            cost = max(0, cost_tokens - self.predicted_cached_tokens(url, key))
+            return (load + cost <= self.load_factor * (total + cost) / n
+                    or load - least <= self.balance_abs_tokens)
+
+        fitting = [u for u in order if fits(u)]
         owner = order[0]
         if not fitting:  # cannot happen (the least loaded fits); kept so a bad load view never drops a request
             choice = min(by_url.values(), key=load_order).url
