@@ -179,6 +179,19 @@ def _build_discovery(args: RouterArgs) -> Any:
     )
 
 
+def _upstream_transport(args: RouterArgs) -> httpx.AsyncBaseTransport:
+    """The pooled transport under the httpx API for proxied requests. ``aiohttp`` (httpx-aiohttp, as the openai SDK
+    offers): measured p50 router overhead 1.02 ms vs 1.17 ms with httpx's own httpcore/h11 pool, and 1,000 concurrent
+    streams in 8.9 s vs 13.6 s (bench/router.py). ``httpx``: the pure-httpx pool, kept as a fallback."""
+    limits = httpx.Limits(max_connections=args.max_connections, max_keepalive_connections=args.max_connections,
+                          keepalive_expiry=4.0)
+    if args.upstream_transport == "aiohttp":
+        from httpx_aiohttp import AiohttpTransport
+
+        return AiohttpTransport(trust_env=False, limits=limits)
+    return httpx.AsyncHTTPTransport(limits=limits)
+
+
 def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     """The router's FastAPI app. ``discovery`` (``StaticDiscovery`` / ``EndpointSliceDiscovery`` or anything with
     their ``kind``, ``start(on_change)``, ``stop()``, ``age_s()``, ``is_stale()``) defaults to the one ``args`` names.
@@ -199,9 +212,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     # connection we are about to reuse. trust_env=False: an HTTP(S)_PROXY variable must not capture engine traffic.
     timeout = httpx.Timeout(connect=args.connect_timeout_s, read=args.request_timeout_s,
                             write=args.request_timeout_s, pool=args.request_timeout_s)
-    transport = httpx.AsyncHTTPTransport(
-        limits=httpx.Limits(max_connections=args.max_connections, max_keepalive_connections=args.max_connections,
-                            keepalive_expiry=4.0))
+    transport = _upstream_transport(args)
     client = httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
     control = httpx.AsyncClient(limits=httpx.Limits(max_connections=64, keepalive_expiry=4.0),
                                 timeout=httpx.Timeout(args.connect_timeout_s), trust_env=False)

@@ -38,6 +38,7 @@ class RouterArgs:
     block_chars: int = 64  # characters per prefix block (without it)
     prefix_blocks: int = 8  # K: the routing key hashes the first K blocks
     load_factor: float = 1.25  # bounded-load cap: a worker may take up to load_factor x the mean load
+    upstream_transport: str = "aiohttp"  # aiohttp (faster pool under the httpx API) | httpx
     balance_abs_tokens: int = 2048  # ...once it carries this many more tokens in flight than the least loaded one
     virtual_nodes: int = 256  # ring points per worker
     default_max_tokens: int = 256  # cost estimate of a request that sets no max tokens
@@ -83,6 +84,8 @@ class RouterArgs:
             raise RouterConfigError(f"--readmit-after-s must be >= 0, got {self.readmit_after_s}")
         if self.max_retries < 0:
             raise RouterConfigError(f"--max-retries must be >= 0, got {self.max_retries}")
+        if self.upstream_transport not in ("aiohttp", "httpx"):
+            raise RouterConfigError(f"--upstream-transport must be aiohttp or httpx, got {self.upstream_transport!r}")
         if self.balance_abs_tokens < 0:
             raise RouterConfigError(f"--balance-abs-tokens must be >= 0, got {self.balance_abs_tokens}")
         if not self.load_factor >= 1.0:

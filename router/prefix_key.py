@@ -176,7 +176,11 @@ class PrefixKeyExtractor:
     ) -> PrefixKey | None:
         try:
             text.encode("utf-8")  # lone surrogates: the engine answers 400
-            ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            if backend is not None:  # the same ids without transformers' per-call wrapper (~30 us of ~75 us)
+                ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
+            else:
+                ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception:  # noqa: BLE001 - a tokenizer error on client text is the engine's 400
             return None
         return self._ids_key(ids, model, salt)

@@ -469,3 +469,20 @@ def test_injected_usage_chunk_stripped_from_non_compact_json_streams():
         assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["a", "b"]  # ...and hid it
         assert all("usage" not in c for c in chunks)
         assert metric(r, "actual_cached_tokens_total") == 7
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+def test_both_upstream_transports_proxy_streams_and_retry(tok, transport):
+    """The default aiohttp pool and the pure-httpx fallback behave the same: streams relay, a refused connection is
+    retried on the next candidate."""
+    with engines(tok, 1) as (_, live), router([dead_url(), live[0]], wait_for=1, policy="round_robin",
+                                              eject_after_failures=100, upstream_transport=transport) as r:
+        for i in range(2):
+            resp = httpx.post(r + "/v1/chat/completions", timeout=30,
+                              json={"messages": [{"role": "user", "content": f"t{i}"}], "max_tokens": 3, "stream": True})
+            assert resp.status_code == 200 and resp.headers[constants.HEADER_WORKER] == live[0]
+            chunks = sse_payloads(resp.text)
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"  # then one chunk per token
+            assert len(chunks) == 4 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        plain = httpx.post(r + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 2
