@@ -16,6 +16,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from radixserve.engine.config import EngineArgs
+from radixserve.engine.grammar.xgrammar_backend import GrammarBackend
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, SamplingParams
 from radixserve.engine.metrics import EngineMetrics
 from radixserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -103,6 +104,11 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self.metrics = EngineMetrics(self.served_model_name)
+        # Constrained decoding: grammars compile on the backend's own thread; requests wait for theirs in
+        # ``generate`` (the grammar queue) and reach the scheduler only once compiled.
+        self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                              metrics=self.metrics)
+        self._grammar_queue = 0  # requests waiting for their grammar (event-loop threads; approximate)
         self.scheduler = self._torch_thread.submit(
             Scheduler,
             self.runner,
@@ -140,13 +146,14 @@ class Engine:
         self._shutting_down = True
         self.scheduler.stop()
         self._torch_thread.shutdown(wait=False)
+        self.grammar_backend.shutdown()
 
     def is_healthy(self) -> bool:
         return self._started and not self._shutting_down and self.scheduler.alive
 
     def num_queued(self) -> int:
         """Requests submitted but not yet running (any thread; approximate)."""
-        return len(self.scheduler.waiting) + self.scheduler.inbox.qsize()
+        return len(self.scheduler.waiting) + self.scheduler.inbox.qsize() + self._grammar_queue
 
     # ----------------------------------------------------------------------------------------------------------
     def _emit(self, outputs: list[ReqOutput]) -> None:
@@ -165,7 +172,10 @@ class Engine:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[ReqOutput]:
         """Run ``req``; yield ``ReqOutput`` deltas of all ``n`` samples until each has finished.
 
-        Raises InvalidRequestError: 503 when not serving, 429 when the queue is full, 400 for a duplicate rid.
+        Raises InvalidRequestError: 503 when not serving, 429 when the queue is full, 400 for a duplicate rid, 400
+        naming the problem for an invalid or unsupported ``json_schema`` / ``regex`` / ``ebnf`` (param = that field).
+        Every error is raised before the first output and before the request reaches the scheduler. A constrained
+        request first waits here for its grammar to compile (the grammar queue; it holds no KV slot meanwhile).
         Closing the iterator early (client disconnect, cancellation) aborts the request and frees its KV.
         """
         if not self.is_healthy():
@@ -182,6 +192,18 @@ class Engine:
             req.arrival_time = time.monotonic()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[req.rid] = (asyncio.get_running_loop(), q)
+        key = req.sampling_params.grammar_key()
+        if key is not None and req.grammar is None:
+            try:
+                req.grammar = await self._wait_for_grammar(*key)
+            except BaseException:
+                self._streams.pop(req.rid, None)
+                raise
+            if not self.is_healthy():
+                self._streams.pop(req.rid, None)
+                raise InvalidRequestError("engine is not ready or is shutting down", status_code=503)
+        if key is not None:
+            self.metrics.num_constrained_requests_total.inc()
         remaining = req.sampling_params.n
         self.scheduler.submit(req)
         try:
@@ -194,6 +216,16 @@ class Engine:
             self._streams.pop(req.rid, None)
             if remaining:
                 self.scheduler.abort(req.rid)
+
+    async def _wait_for_grammar(self, kind: str, text: str) -> Any:
+        """The compiled grammar for ``(kind, text)``; raises InvalidRequestError (400) when it is invalid."""
+        self._grammar_queue += 1
+        self.metrics.num_grammar_queue_reqs.set(self._grammar_queue)
+        try:
+            return await self.grammar_backend.get(kind, text)
+        finally:
+            self._grammar_queue -= 1
+            self.metrics.num_grammar_queue_reqs.set(self._grammar_queue)
 
     def abort(self, rid: str) -> None:
         """Abort request ``rid`` (all its samples)."""

@@ -13,6 +13,8 @@ from typing import Any
 DEFAULT_MAX_NEW_TOKENS = 128
 # torch.Generator.manual_seed takes [-2**63, 2**64); samples of one request use seed + index (wrapped mod 2**64).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Constraint fields of SamplingParams (at most one per request); see engine/grammar.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 class InvalidRequestError(ValueError):
@@ -119,10 +121,18 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in self.stop_token_ids
         ):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
-        kinds = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
-        if kinds:
-            # Constrained decoding (xgrammar) is a later issue; never generate unconstrained silently.
-            raise InvalidRequestError(f"{kinds[0]} is not supported yet (constrained decoding)", kinds[0])
+        kinds = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise InvalidRequestError(f"give at most one of json_schema, regex, ebnf; got {', '.join(kinds)}", kinds[1])
+        # The grammar itself is compiled (and refused with a 400 when invalid) by the engine's grammar backend.
+
+    def grammar_key(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the request's constraint (``json_schema``, ``regex`` or ``ebnf``), or None."""
+        for k in GRAMMAR_FIELDS:
+            v = getattr(self, k)
+            if v is not None:
+                return k, v
+        return None
 
 
 @dataclass
@@ -140,6 +150,8 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     stream: bool = False
     arrival_time: float = 0.0  # time.monotonic() when the server received it (seconds)
+    # The compiled constraint (engine.grammar.Grammar), set by Engine.generate from sampling_params; never by clients.
+    grammar: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
 
 import torch
 
@@ -52,6 +55,7 @@ def sample(
     generators: list[torch.Generator | None],
     return_logprob: list[bool],
     top_logprobs_num: list[int],
+    logits_processor: Callable[[torch.Tensor], None] | None = None,
 ) -> SampleOutput:
     """Pick one next token per row.
 
@@ -63,6 +67,8 @@ def sample(
         generators: per-row ``torch.Generator`` on ``logits.device`` for seeded requests; None uses the global RNG.
         return_logprob: per-row flag; rows with False get ``None`` in ``SampleOutput.logprobs``.
         top_logprobs_num: per-row number of top alternatives to report (0 for none).
+        logits_processor: called once on the float32 ``[batch, vocab]`` logits (in place) after the raw logprobs are
+            taken and before penalties, e.g. a grammar's token mask (``apply_token_bitmask``).
 
     Returns:
         ``SampleOutput`` with ``batch`` token ids.
@@ -97,6 +103,8 @@ def sample(
         src = logits if len(lp_rows) == batch else logits[lp_rows]
         raw_logprobs = torch.log_softmax(src, dim=-1)  # [len(lp_rows), vocab], a new tensor
 
+    if logits_processor is not None:
+        logits_processor(logits)
     apply_penalties(logits, params, output_ids, prompt_ids)
 
     greedy_rows = [i for i, p in enumerate(params) if p.temperature < GREEDY_TEMPERATURE or p.top_k == 1]
@@ -297,3 +305,62 @@ def _gather_logprobs(
             top=list(zip(top_ids[j][:k], top_vals[j][:k])),
         )
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# grammar token masks
+
+_BIT_OFFSETS = np.arange(32, dtype=np.int64)
+
+
+def _set_bit_ids(words: np.ndarray) -> np.ndarray:
+    """Token ids whose bit is set in ``words`` ``[num_words]`` int32 (bit j of word w is id 32 w + j), sorted."""
+    nz = np.flatnonzero(words)
+    bits = np.unpackbits(words[nz].view(np.uint8), bitorder="little").view(bool).reshape(len(nz), 32)
+    return (nz[:, None] * 32 + _BIT_OFFSETS)[bits]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to ``-inf``, in place, the logits of tokens a grammar forbids.
+
+    Args:
+        logits: ``[batch, vocab]`` float logits (CPU: contiguous float32; CUDA: any float dtype).
+        bitmask: ``[>= batch, ceil(vocab / 32)]`` int32 on the CPU, xgrammar's layout: bit ``j`` of word ``w`` set
+            means token ``32 w + j`` is allowed. Rows not in ``rows`` are ignored.
+        rows: the rows of ``logits`` to mask (constrained samples).
+
+    Why not ``xgrammar.apply_token_bitmask_inplace``: on CPU it costs ~250 us per row when nearly every token is
+    banned (the usual case inside JSON structure), and a dense unpack + ``masked_fill_`` cost 0.2-4 ms per row on 2
+    busy cores. Here each row works on the sparse side: when fewer than half the tokens are allowed, the allowed
+    logits are saved, the row filled with ``-inf`` and the saved ones written back; otherwise only the banned ids are
+    written. Only the words that are non-zero are unpacked (~10-20 us per row). On CUDA the mask is unpacked with
+    bit shifts on the device and applied with one ``masked_fill_``.
+    """
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    if logits.device.type != "cpu":
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        words = bitmask[rows].to(logits.device, non_blocking=True)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        return
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        raise ValueError(f"CPU logits must be contiguous float32, got {logits.dtype}")
+    values = logits.numpy()
+    masks = bitmask.numpy()
+    neg = np.float32(-np.inf)
+    for r in rows:
+        words = masks[r]
+        row = values[r]
+        allowed_words = int(np.count_nonzero(words))
+        if allowed_words * 2 < len(words):
+            keep = _set_bit_ids(words)
+            keep = keep[keep < vocab]
+            saved = row[keep]
+            row.fill(neg)
+            row[keep] = saved
+        else:
+            ban = _set_bit_ids(~words)
+            row[ban[ban < vocab]] = neg

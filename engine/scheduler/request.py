@@ -49,6 +49,10 @@ class Req:
         self.pending_ids: list[int] = []
         self.pending_logprobs: list[TokenLogprob] = []
         self.finish_reason: dict[str, Any] | None = None
+        # Constrained decoding: this sample's own grammar matcher (xgrammar). It has accepted exactly
+        # ``output_ids`` (never the prompt), so prefix hits and retraction (which keeps ``output_ids``) leave it valid.
+        self.grammar = greq.grammar
+        self.matcher: Any = greq.grammar.matcher() if greq.grammar is not None else None
 
         self.arrival_time = greq.arrival_time or time.monotonic()
         self.first_scheduled_time: float | None = None

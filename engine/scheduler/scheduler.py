@@ -23,7 +23,7 @@ from radixserve.engine.io_struct import GenerateRequest, ReqOutput
 from radixserve.engine.memory.allocator import ReqToTokenPool, TokenSlotAllocator
 from radixserve.engine.memory.radix_cache import RadixCache
 from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
-from radixserve.engine.sampling.sampler import sample
+from radixserve.engine.sampling.sampler import apply_token_bitmask, sample
 from radixserve.engine.scheduler.policy import order_waiting
 from radixserve.engine.scheduler.request import Req
 
@@ -34,6 +34,23 @@ logger = logging.getLogger(__name__)
 DECODE_RESERVE_RATIO = 0.3
 # A single request never reserves more than this many decode tokens at admission.
 DECODE_RESERVE_CLIP = 256
+
+
+@dataclass
+class GrammarTiming:
+    """Time spent on grammar work (mask fill + apply + accept) vs whole decode steps, per decode batch shape.
+
+    ``by_shape[(batch_size, constrained_rows)] = [steps, step_seconds, grammar_seconds]``; seconds of wall time on
+    the scheduler thread. Read by bench/constrained.py; cheap enough to be always on (two perf_counter calls/step).
+    """
+
+    by_shape: dict[tuple[int, int], list[float]]
+
+    def add(self, batch: int, constrained: int, step_s: float, grammar_s: float) -> None:
+        rec = self.by_shape.setdefault((batch, constrained), [0, 0.0, 0.0])
+        rec[0] += 1
+        rec[1] += step_s
+        rec[2] += grammar_s
 
 
 @dataclass
@@ -86,6 +103,9 @@ class Scheduler:
         self.last_output_time = 0.0
         self.forward_count = 0
         self.error: BaseException | None = None
+        self.grammar_timing = GrammarTiming({})
+        self._step_grammar_s = 0.0  # grammar seconds of the current step
+        self._token_bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, CPU, reused
 
     # ----------------------------------------------------------------------------------------------------------
     # thread-safe API
@@ -430,6 +450,8 @@ class Scheduler:
             self._retract(victim)
         if not self.running:
             return
+        t_step = time.perf_counter()
+        self._step_grammar_s = 0.0
         batch = self.running
         slots = self._alloc_slots(len(batch))
         input_ids, positions = [], []
@@ -444,8 +466,11 @@ class Scheduler:
         self.forward_count += 1
         for req in batch:
             req.kv_len = req.seq_len
+        constrained = sum(1 for r in batch if r.matcher is not None)
+        size = len(batch)
         self._sample_and_process(logits, list(batch), outputs)
         self.running = [r for r in self.running if not r.finished]
+        self.grammar_timing.add(size, constrained, time.perf_counter() - t_step, self._step_grammar_s)
 
     def _forward_batch(self, mode: ForwardMode, batch: list[Req], input_ids: list[int], positions: list[int],
                        out_loc: torch.Tensor, seq_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
@@ -469,6 +494,28 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------------------------
     # sampling and finishing
+    def _grammar_mask(self, reqs: list[Req]) -> Callable[[torch.Tensor], None] | None:
+        """Fill the token bitmask of the constrained rows of ``reqs``; returns the logits processor applying it."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not rows:
+            return None
+        t0 = time.perf_counter()
+        words = (self.runner.model_config.vocab_size + 31) // 32
+        if self._token_bitmask is None or self._token_bitmask.shape[0] < len(reqs):
+            self._token_bitmask = torch.full((max(len(reqs), self.config.max_running_requests), words), -1,
+                                             dtype=torch.int32)
+        bitmask = self._token_bitmask
+        for i in rows:
+            reqs[i].matcher.fill_next_token_bitmask(bitmask, i)
+        self._step_grammar_s += time.perf_counter() - t0
+
+        def apply(logits: torch.Tensor) -> None:
+            t1 = time.perf_counter()
+            apply_token_bitmask(logits, bitmask, rows)
+            self._step_grammar_s += time.perf_counter() - t1
+
+        return apply
+
     def _sample_and_process(self, logits: torch.Tensor, reqs: list[Req], outputs: list[ReqOutput]) -> None:
         out = sample(
             logits.float(),
@@ -478,9 +525,28 @@ class Scheduler:
             [r.generator for r in reqs],
             [r.return_logprob for r in reqs],
             [r.top_logprobs_num for r in reqs],
+            logits_processor=self._grammar_mask(reqs),
         )
         now = time.monotonic()
         for req, tok, lp in zip(reqs, out.next_token_ids, out.logprobs):
+            grammar_done = False
+            if req.matcher is not None:
+                t0 = time.perf_counter()
+                accepted = req.matcher.accept_token(tok)
+                grammar_done = accepted and req.matcher.is_terminated()
+                self._step_grammar_s += time.perf_counter() - t0
+                if not accepted:
+                    # The mask allowed only grammar tokens, so this is a bug (or a row with no allowed token):
+                    # fail the request rather than continue unconstrained.
+                    logger.error("grammar rejected token %d of %s", tok, req)
+                    if self.metrics is not None:
+                        self.metrics.grammar_aborts_total.inc()
+                    if req in self.running:
+                        self.running.remove(req)
+                    self._finish(req, {"type": "abort", "matched": None, "status_code": 500,
+                                       "message": f"constrained decoding failed: the grammar rejected token {tok}"},
+                                 outputs)
+                    continue
             req.output_ids.append(tok)
             if self.metrics is not None:
                 self.metrics.generation_tokens_total.inc()
@@ -494,18 +560,22 @@ class Scheduler:
             req.pending_ids.append(tok)
             if lp is not None:
                 req.pending_logprobs.append(lp)
-            self._check_finish(req, tok, outputs)
+            self._check_finish(req, tok, outputs, grammar_done)
 
-    def _check_finish(self, req: Req, tok: int, outputs: list[ReqOutput]) -> None:
+    def _check_finish(self, req: Req, tok: int, outputs: list[ReqOutput], grammar_done: bool = False) -> None:
         p = req.params
         reason = None
         if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+            reason = {"type": "stop", "matched": tok}
+        elif grammar_done and tok in self.eos_token_ids:  # the grammar ended with eos (even under ignore_eos)
             reason = {"type": "stop", "matched": tok}
         else:
             text, matched = req.stop_matcher.feed(req.detokenizer.add_tokens([tok]))
             req.pending_text += text
             if matched is not None:
                 reason = {"type": "stop", "matched": matched}
+            elif grammar_done:  # the grammar ended without a stop token (cannot happen with xgrammar's stop ids)
+                reason = {"type": "stop", "matched": None}
             elif len(req.output_ids) >= self._max_new_tokens(req) or req.seq_len >= self.config.context_length:
                 reason = {"type": "length", "matched": None}
         if reason is not None:
@@ -525,6 +595,7 @@ class Scheduler:
             else:
                 req.pending_text += req.stop_matcher.flush()
         req.finish_reason = reason
+        req.matcher = None  # free the grammar state now; the Req object may outlive the request briefly
         self._release(req)
         outputs.append(self._make_output(req))
         if self.metrics is not None:

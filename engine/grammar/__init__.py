@@ -1,0 +1,1 @@
+"""Constrained decoding: grammar compilation (xgrammar) and per-sample grammar matchers."""
