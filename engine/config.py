@@ -39,6 +39,32 @@ class EngineArgs:
     # e.g. '{"temperature": 0.2, "top_p": 0.9}' as the SmolLM2 model card recommends.
     preferred_sampling_params: str | None = None
 
+    # ---- OpenAI compatibility switches, from real deployments; all off by default (engine/server/chat.py, tools.py)
+    # Chat only: max_tokens when the client sends neither max_tokens nor max_completion_tokens (clamped to the room
+    # left in the context). Off (None): all the room left, as before.
+    default_chat_max_tokens: int | None = None
+    # Serve tool_choice "required" or a named function as "auto" (no constrained call: the model chooses and calls
+    # are parsed from its text), for clients that force a tool on models/deployments that should not be constrained.
+    # tool_choice "none" is still honoured (tools ignored): serving it as auto could return calls the client forbade.
+    tool_choice_as_auto: bool = False
+    # A role "tool" message whose content is a list of only text parts is flattened to one string (parts joined by
+    # newlines) even when the chat template takes content lists (templates that take only strings always get one).
+    flatten_tool_content: bool = False
+    # Accept {"type": "image_url", "image_url": "<url>"} (a bare string, as some clients send) as {"url": "<url>"};
+    # a text-only model then answers 400 "model does not accept image input". Off: the bare string is a 400 naming it.
+    accept_bare_image_url: bool = False
+    # Streaming: every error known before the first chunk is already an HTTP error (validation, queue full, grammar
+    # compile); with this switch an engine abort carried by a request's first output is one too, instead of an SSE
+    # error event after the 200 (the stream's first bytes are held until every first output was checked).
+    stream_error_preflight: bool = False
+    # Reasoning parser for chat: "think" moves <think>...</think> text to message.reasoning_content (stream and
+    # non-stream) and reports usage.completion_tokens_details.reasoning_tokens. None: no parsing.
+    reasoning_parser: str | None = None
+
+
+# Flags with a fixed set of values (checked by argparse).
+_CHOICES = {"reasoning_parser": ["think"]}
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add every ``EngineArgs`` field as a ``--kebab-case`` flag."""
@@ -48,7 +74,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="store_true", default=f.default)
         else:
             typ = int if "int" in str(f.type) else str
-            parser.add_argument(flag, type=typ, default=f.default)
+            parser.add_argument(flag, type=typ, default=f.default, choices=_CHOICES.get(f.name))
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

@@ -71,7 +71,8 @@ class _SamplingExtras(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    # Constrained decoding keys: declared so the server can refuse them (not supported yet).
+    # SGLang's constrained decoding keys (at most one, and not with a JSON ``response_format``): ``json_schema`` is a
+    # JSON schema (object or JSON text), ``regex`` a regular expression, ``ebnf`` a grammar in xgrammar's EBNF.
     regex: str | None = None
     ebnf: str | None = None
     json_schema: Any = None
@@ -91,12 +92,18 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. ``content`` is a string, a list of parts, or null (an assistant turn with tool calls)."""
+    """One chat message. ``content`` is a string, a list of parts, or null (an assistant turn with tool calls).
+
+    ``tool_calls``: an assistant turn's calls (OpenAI shape ``{"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}``); ``tool_call_id``: on a ``role: "tool"`` message, the call it answers.
+    """
 
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingExtras):
@@ -120,8 +127,9 @@ class ChatCompletionRequest(_SamplingExtras):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ChatLogprobTop(BaseModel):
@@ -147,9 +155,37 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCall(BaseModel):
+    """``tool_calls[].function``: the function's name and its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call in a response message: ``{"id": "call_...", "type": "function", "function": {...}}``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _drop_keys_if_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if not (k in keys and v is None)}
+
+
 class ChatResponseMessage(BaseModel):
+    """The assistant's message. ``content`` is null when the reply is only tool calls; ``tool_calls`` and
+    ``reasoning_content`` (text between ``<think>`` tags, with a reasoning parser) are left out when absent."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_keys_if_none(handler(self), ("reasoning_content", "tool_calls"))
 
 
 class ChatCompletionChoice(BaseModel):
@@ -163,21 +199,39 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """``usage.completion_tokens_details``: ``reasoning_tokens`` of the completion were reasoning (``<think>``)."""
+
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
-    """Token usage; ``prompt_tokens_details.cached_tokens`` counts prompt tokens served from the prefix cache."""
+    """Token usage; ``prompt_tokens_details.cached_tokens`` counts prompt tokens served from the prefix cache.
+
+    ``completion_tokens_details`` is only sent when a reasoning parser is enabled (left out when None)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_keys_if_none(handler(self), ("completion_tokens_details",))
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "Usage":
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None
+    ) -> "Usage":
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=(
+                None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+            ),
         )
 
 
@@ -191,11 +245,27 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class ToolCallDelta(BaseModel):
+    """One entry of a streamed ``delta.tool_calls``: ``index`` says which call it extends; the first delta of a
+    call carries ``id``, ``type`` and ``function.name``, later ones append to ``function.arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     """A streamed chat delta; unset fields are left out of the JSON (OpenAI sends ``{}`` on the last chunk)."""
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

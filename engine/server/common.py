@@ -166,10 +166,23 @@ class ServerContext:
     engine: "Engine"
     texts: TokenTexts
     rids: RidRegistry = field(default_factory=RidRegistry)
+    _template_caps: Any = None
 
     @classmethod
     def of(cls, engine: "Engine") -> "ServerContext":
+        from radixserve.engine.server.reasoning import make_reasoning_stream
+
+        make_reasoning_stream(getattr(engine.args, "reasoning_parser", None))  # fail at startup on an unknown name
         return cls(engine=engine, texts=TokenTexts(engine.tokenizer))
+
+    @property
+    def template_caps(self) -> Any:
+        """The chat template's ``TemplateCaps`` (probed once, on first use)."""
+        if self._template_caps is None:
+            from radixserve.engine.server.chat import TemplateCaps
+
+            self._template_caps = TemplateCaps.probe(self.engine.tokenizer)
+        return self._template_caps
 
     @property
     def model_name(self) -> str:

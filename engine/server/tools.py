@@ -1,0 +1,362 @@
+"""OpenAI tool calling on chat: validating ``tools``/``tool_choice``, the constraint for forced calls, rendering tool
+definitions for templates without tool support, and parsing calls out of the model's text.
+
+Formats (after SGLang's ``function_call`` parsers and vLLM's ``hermes`` tool parser; the same as Qwen2.5's and
+NousResearch Hermes 2 Pro's chat templates):
+
+* **Tool definitions** for a chat template that does not render ``tools`` (rendering with ``tools=`` gives the same
+  text as without) are appended to the system message (a system message is added when there is none) as
+  ``TOOLS_PROMPT``: one JSON object per line, ``{"type": "function", "function": {"name", "description",
+  "parameters"}}``, inside ``<tools></tools>``, followed by the call format below. Past assistant ``tool_calls``
+  become ``<tool_call>`` blocks in that assistant message's text; ``role: "tool"`` messages stay role ``tool``.
+* **A call** in the model's text (``tool_choice: "auto"``) is ``<tool_call>{"name": NAME, "arguments": {...}}
+  </tool_call>`` (several blocks: several calls; a missing closing tag at the end of the text is tolerated;
+  ``"parameters"`` is accepted for ``"arguments"``), or the whole reply being such a JSON object (or a JSON list
+  of them), optionally in a ```` ```json ```` fence. Only names of the request's tools count; if any block does not
+  parse, the whole reply is plain text. Text outside the blocks is the message ``content`` (null if blank).
+* **Forced calls** (``"required"``, or ``{"type": "function", "function": {"name": NAME}}``) constrain decoding with
+  ``call_schema``: the reply is exactly one JSON object ``{"name": NAME, "arguments": {...}}`` whose arguments
+  match the function's ``parameters`` schema (``anyOf`` over the tools for ``"required"`` with several tools).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.engine.io_struct import InvalidRequestError
+from radixserve.engine.server.reasoning import ReasoningStream
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+_BLOCK_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)(?:" + re.escape(TOOL_CALL_END) + r"|\Z)", re.S)
+_FENCE_RE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass
+class ToolChoice:
+    """The resolved ``tool_choice``: ``mode`` is ``none`` (tools ignored), ``auto`` (the model may call; calls
+    parsed from text), ``required`` (one call to any tool, constrained) or ``named`` (one call to ``name``)."""
+
+    mode: str
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def validate_tools(tools: Any) -> list[dict[str, Any]]:
+    """Check ``tools`` and return the function definitions ``[{"name", "description"?, "parameters"?}]``.
+
+    Raises ``InvalidRequestError`` (400, naming the field) unless ``tools`` is a list of ``{"type": "function",
+    "function": {"name": str, "description"?: str, "parameters"?: object}}`` with distinct valid names.
+    """
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools must be a list of function tools", "tools")
+    functions: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise InvalidRequestError(f"{where} must be a function tool {{\"type\": \"function\", ...}}", where)
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequestError(f"{where}.function must be an object", f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise InvalidRequestError(
+                f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}", f"{where}.function.name"
+            )
+        if name in seen:
+            raise InvalidRequestError(f"duplicate tool name {name!r}", f"{where}.function.name")
+        seen.add(name)
+        if "description" in fn and fn["description"] is not None and not isinstance(fn["description"], str):
+            raise InvalidRequestError(f"{where}.function.description must be a string", f"{where}.function.description")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequestError(
+                f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters"
+            )
+        out: dict[str, Any] = {"name": name}
+        if fn.get("description") is not None:
+            out["description"] = fn["description"]
+        if params is not None:
+            out["parameters"] = params
+        functions.append(out)
+    return functions
+
+
+def resolve_tool_choice(functions: list[dict[str, Any]], tool_choice: Any, as_auto: bool = False) -> ToolChoice:
+    """The effective ``ToolChoice`` (OpenAI's default: ``auto`` with tools, ``none`` without).
+
+    ``as_auto`` (``--tool-choice-as-auto``) serves ``required`` and named choices as ``auto``. Raises
+    ``InvalidRequestError`` (400) for an unknown choice, a choice other than ``none`` without tools, or a named
+    function that is not among the tools.
+    """
+    if tool_choice is None:
+        return ToolChoice("auto" if functions else "none")
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise InvalidRequestError(
+                f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}", "tool_choice"
+            )
+        choice = ToolChoice(tool_choice)
+    elif isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        if tool_choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError(
+                'a named tool_choice must be {"type": "function", "function": {"name": ...}}', "tool_choice"
+            )
+        choice = ToolChoice("named", fn["name"])
+    else:
+        raise InvalidRequestError("tool_choice must be a string or an object", "tool_choice")
+    if choice.mode != "none" and not functions:
+        raise InvalidRequestError("tool_choice is set but no tools were given", "tool_choice")
+    if choice.mode == "named" and choice.name not in {f["name"] for f in functions}:
+        raise InvalidRequestError(f"tool_choice names an unknown tool {choice.name!r}", "tool_choice.function.name")
+    if as_auto and choice.forced:
+        return ToolChoice("auto")
+    return choice
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    # OpenAI: omitted parameters = a function taking no arguments.
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _call_object(fn: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, "arguments": _parameters(fn)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def call_schema(functions: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
+    """JSON schema of one forced call ``{"name": ..., "arguments": {...}}``: the named function, or for ``required``
+    the only tool or an ``anyOf`` of one object per tool (so each name goes with its own arguments' schema)."""
+    if choice.mode == "named":
+        return _call_object(next(f for f in functions if f["name"] == choice.name))
+    if choice.mode != "required":
+        raise ValueError(f"no call schema for tool_choice mode {choice.mode!r}")
+    if len(functions) == 1:
+        return _call_object(functions[0])
+    return {"anyOf": [_call_object(f) for f in functions]}
+
+
+def tools_prompt(functions: list[dict[str, Any]]) -> str:
+    """``TOOLS_PROMPT`` filled with the tool definitions (one JSON object per line)."""
+    lines = [json.dumps({"type": "function", "function": fn}, ensure_ascii=False) for fn in functions]
+    return TOOLS_PROMPT.format(tools="\n".join(lines))
+
+
+def render_call_text(tool_calls: list[dict[str, Any]]) -> str:
+    """An assistant turn's ``tool_calls`` as ``<tool_call>`` blocks (for templates that do not render them).
+
+    ``arguments`` given as JSON text is embedded as the object it encodes."""
+    blocks = []
+    for call in tool_calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            continue
+        args: Any = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        blocks.append(
+            f"{TOOL_CALL_START}\n{json.dumps({'name': fn.get('name'), 'arguments': args}, ensure_ascii=False)}\n"
+            f"{TOOL_CALL_END}"
+        )
+    return "\n".join(blocks)
+
+
+def new_call_id() -> str:
+    """A fresh OpenAI-style tool call id ``call_<24 hex digits>``."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _as_call(obj: Any, names: set[str]) -> tuple[str, str] | None:
+    """``(name, arguments JSON text)`` if ``obj`` is ``{"name": <known tool>, "arguments"|"parameters": object}``."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models emit the arguments as JSON text already
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def _loads(text: str) -> Any:
+    text = text.strip()
+    m = _FENCE_RE.match(text)
+    if m:
+        text = m.group(1)
+    return json.loads(text)
+
+
+def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """Calls in a whole reply (``auto``): ``(content or None, [(name, arguments JSON text)])``.
+
+    See the module docstring for the accepted formats. No call found: ``(text, [])``.
+    """
+    if TOOL_CALL_START in text:
+        calls = []
+        for m in _BLOCK_RE.finditer(text):
+            try:
+                call = _as_call(_loads(m.group(1)), names)
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        rest = _BLOCK_RE.sub("", text).strip()
+        return (rest or None), calls
+    stripped = text.strip()
+    if stripped[:1] in ("{", "[") or stripped.startswith("```"):
+        try:
+            obj = _loads(stripped)
+        except ValueError:
+            return text, []
+        objs = obj if isinstance(obj, list) and obj else [obj]
+        calls = [_as_call(o, names) for o in objs]
+        if all(c is not None for c in calls):
+            return None, calls  # type: ignore[return-value]
+    return text, []
+
+
+def parse_forced_call(text: str, names: set[str]) -> tuple[str, str] | None:
+    """The one call of a constrained reply (``required``/named), or None if it does not parse (cut by length)."""
+    try:
+        return _as_call(json.loads(text), names)
+    except ValueError:
+        return None
+
+
+@dataclass
+class ChoiceDelta:
+    """Text released by ``ChatOutputParser``: reasoning, answer content, and (at the end) tool calls."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[tuple[str, str]] | None = None
+
+
+class ChatOutputParser:
+    """Turns one choice's output deltas into reasoning, content and tool calls, the same way streamed or not.
+
+    ``mode``: ``"text"`` (no tools: content passes through), ``"auto"`` (content streams until a possible call
+    starts: ``<tool_call>``, or a reply opening with ``{``/``[``/```` ``` ````; from there it is held and parsed at
+    the end), ``"forced"`` (the constrained JSON is held and parsed as one call). ``reasoning``: a
+    ``ReasoningStream`` applied first (tools are parsed from the answer part only).
+    """
+
+    def __init__(self, mode: str, names: set[str], reasoning: ReasoningStream | None = None):
+        self.mode, self.names, self.reasoning = mode, names, reasoning
+        if mode not in ("text", "auto", "forced"):
+            raise ValueError(f"unknown output mode {mode!r}")
+        self.state = {"text": "plain", "auto": "begin", "forced": "forced"}[mode]  # auto: begin -> text | held
+        self.pending = ""  # auto text not yet released (may start a tag)
+        self.held = ""  # text of a possible call, parsed at the end
+        self.content_sent = ""
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.reasoning.reasoning_tokens if self.reasoning is not None else 0
+
+    def feed(self, text: str, n_tokens: int = 0) -> ChoiceDelta:
+        """One output delta of ``n_tokens`` tokens."""
+        if self.reasoning is None:
+            return ChoiceDelta(content=self._content(text))
+        d = self.reasoning.feed(text, n_tokens)
+        return ChoiceDelta(reasoning=d.reasoning, content=self._content(d.content))
+
+    def finish(self) -> ChoiceDelta:
+        """End of the choice: releases held text and the parsed calls (``calls`` None when there are none)."""
+        out = ChoiceDelta()
+        if self.reasoning is not None:
+            d = self.reasoning.finish()
+            out.reasoning = d.reasoning
+            out.content = self._content(d.content)
+        if self.state == "forced":
+            call = parse_forced_call(self.held, self.names)
+            if call is not None:
+                out.calls = [call]
+            else:
+                out.content += self.held
+            return out
+        if self.state == "plain":
+            return out
+        tail = self.pending + self.held  # "begin" (only blank text or a partial tag seen) or "held"
+        content, calls = parse_tool_calls(tail, self.names) if tail.strip() else (tail, [])
+        if calls:
+            out.calls = calls
+            if content:
+                out.content += content
+        else:
+            out.content += tail
+        self.pending = self.held = ""
+        return out
+
+    def _content(self, text: str) -> str:
+        if not text:
+            return ""
+        if self.state == "forced":
+            self.held += text
+            return ""
+        if self.state == "plain":
+            return text
+        if self.state == "held":
+            self.held += text
+            return ""
+        self.pending += text
+        if self.state == "begin":
+            head = self.pending = self.pending.lstrip()  # a reply's leading blank lines are dropped
+            if not head:
+                return ""
+            if head[0] in "{[" or head.startswith("```") or "```".startswith(head):
+                self.state, self.held, self.pending = "held", self.pending, ""
+                return ""
+            if TOOL_CALL_START.startswith(head) and head != TOOL_CALL_START:
+                return ""
+            self.state = "text"
+        i = self.pending.find(TOOL_CALL_START)
+        if i >= 0:
+            released, self.held, self.pending = self.pending[:i], self.pending[i:], ""
+            self.state = "held"
+        else:
+            keep = 0
+            for k in range(min(len(self.pending), len(TOOL_CALL_START) - 1), 0, -1):
+                if TOOL_CALL_START.startswith(self.pending[-k:]):
+                    keep = k
+                    break
+            released, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        self.content_sent += released
+        return released
