@@ -1,7 +1,7 @@
 """A fake of the Engine boundary (engine/engine.py's ``Engine`` interface) for testing the HTTP layer alone.
 
 It uses the real tokenizer and emits scripted ``ReqOutput`` deltas: sample ``i`` of a request produces the token ids
-of ``script`` rotated by ``i`` tokens, one token per step, ``delay_s`` seconds apart, until ``max_new_tokens``
+of ``script`` rotated by ``i`` tokens (or, after ``set_outputs(texts)``, the tokens of ``texts[i % len(texts)]``), one token per step, ``delay_s`` seconds apart, until ``max_new_tokens``
 (finish "length") or the end of the script (finish "stop", matched eos). Text deltas are decoded incrementally and
 never end in half a character. It records every request it received and every request aborted before finishing.
 """
@@ -42,6 +42,7 @@ class FakeEngine:
         self.metrics = EngineMetrics(self.served_model_name)
         self.delay_s = delay_s
         self.script_ids: list[int] = tokenizer.encode(SCRIPT)
+        self.outputs: list[list[int]] | None = None  # set_outputs(): per-sample scripted replies
         self.eos_id = 2
         self.cached_tokens = 0
         self.fail_with: InvalidRequestError | None = None  # raised when a generation starts
@@ -82,8 +83,14 @@ class FakeEngine:
         }
 
     # ---- generation
+    def set_outputs(self, texts: list[str]) -> None:
+        """Script the replies: sample ``i`` produces the tokens of ``texts[i % len(texts)]`` (then eos)."""
+        self.outputs = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
     def sample_ids(self, index: int) -> list[int]:
         """The token ids sample ``index`` produces (before max_new_tokens cuts it)."""
+        if self.outputs is not None:
+            return self.outputs[index % len(self.outputs)]
         k = index % len(self.script_ids)
         return self.script_ids[k:] + self.script_ids[:k]
 
