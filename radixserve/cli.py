@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixserve {argv[0]}: not implemented yet (issue {_NOT_YET[argv[0]]})", file=sys.stderr)
         return 2
     ns = build_parser().parse_args(argv)
+    if not isinstance(logging.getLevelName(str(ns.log_level).upper()), int):
+        print(f"radixserve {ns.command}: --log-level must be one of debug, info, warning, error, critical; got "
+              f"{ns.log_level!r}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )

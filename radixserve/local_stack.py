@@ -49,6 +49,26 @@ def engine_argv(args: "EngineArgs", port: int, num_threads: int) -> list[str]:
     return argv
 
 
+def check_ports_free(ports: list[tuple[str, int]]) -> None:
+    """Raise ValueError unless every ``(host, port)`` is distinct and free to listen on. Regression: an engine port
+    held by another process (another engine, a second ``make run``) was silently fronted by the router while our
+    engine restarted forever failing to bind."""
+    import socket
+
+    seen: set[int] = set()
+    for host, port in ports:
+        if port in seen:
+            raise ValueError(f"port {port} is given to two servers of the stack (router and engine ports must differ)")
+        seen.add(port)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise ValueError(f"port {port} on {host} is not free ({e.strerror}); stop what uses it or pick "
+                                 f"other ports (--port, --engine-base-port)") from e
+
+
 def split_threads(total: int | None, engines: int) -> int:
     """Threads per engine: ``total`` (default: the CPUs this process may use) shared evenly, at least 1 each."""
     if total is None:
@@ -127,6 +147,7 @@ def run_local_stack(engine_args: "EngineArgs", router_args: "RouterArgs", engine
         raise ValueError("--engines must be at least 1")
     threads = split_threads(engine_args.num_threads, engines)
     ports = [engine_base_port + i for i in range(engines)]
+    check_ports_free([(router_args.host, router_args.port)] + [("127.0.0.1", p) for p in ports])
     supervisor = EngineSupervisor([engine_argv(engine_args, port, threads) for port in ports])
     router_args.worker_urls = [f"http://127.0.0.1:{port}" for port in ports]
     logger.info("starting %d engine(s) with %d thread(s) each on ports %s", engines, threads, ports)

@@ -14,7 +14,7 @@ import contextlib
 import hmac
 import logging
 import sys
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 from fastapi import FastAPI
@@ -61,10 +61,12 @@ class EdgeMiddleware:
     - Unhandled exceptions → 500 with the OpenAI error body (logged, no traceback to the client).
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None):
+    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None,
+                 on_reply: Callable[[int], None] | None = None):
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.expected_key = api_key.encode() if api_key is not None else None
+        self.on_reply = on_reply  # counts the 401/413/500 answered here (requests_total{model="unknown"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,9 +97,13 @@ class EdgeMiddleware:
 
         async def reply(status: int, message: str) -> None:
             await _error_response(message, status)(scope, receive, send_with_id)
+            if self.on_reply is not None:
+                self.on_reply(status)
 
-        if self.expected_auth is not None and scope.get("path") not in _OPEN_PATHS:
-            if not hmac.compare_digest(auth or b"", self.expected_auth):
+        if self.expected_key is not None and scope.get("path") not in _OPEN_PATHS:
+            scheme, _, token = (auth or b"").partition(b" ")
+            # The auth scheme is case-insensitive (RFC 9110 §11.1): "bearer k" is as good as "Bearer k".
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected_key):
                 await reply(401, "invalid or missing API key (Authorization: Bearer <key>)")
                 return
 
@@ -239,7 +245,11 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     app = _RouterApp(title="radixserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool, app.state.proxy, app.state.metrics, app.state.client = pool, proxy, metrics, client
     app.state.policy, app.state.extractor, app.state.discovery = policy, extractor, discovery
-    app.add_middleware(EdgeMiddleware, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key)
+    def count_edge_reply(status: int) -> None:
+        proxy._count("unknown", status)
+
+    app.add_middleware(EdgeMiddleware, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key,
+                       on_reply=count_edge_reply)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -253,7 +263,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         app.fast_routes[path] = proxy.endpoint(kind, path)
         app.router.routes.append(Route(path, app.fast_routes[path], methods=["POST"]))  # type: ignore[arg-type]
     app.fast_edge = EdgeMiddleware(app._dispatch_fast, max_body_bytes=args.max_request_body_bytes,
-                                   api_key=args.api_key)
+                                   api_key=args.api_key, on_reply=count_edge_reply)
 
     def cards(model: str | None = None) -> list[dict[str, Any]]:
         seen: dict[str, dict[str, Any]] = {}

@@ -107,8 +107,9 @@ class StaticDiscovery:
         """Nothing runs in the background; kept for the common interface."""
 
     def age_s(self) -> float | None:
-        """Seconds since ``start`` (None before it)."""
-        return None if self._started_at is None else time.monotonic() - self._started_at
+        """0 once started (None before): a static list is as fresh as it will ever be, so an alert on
+        ``discovery_age_seconds`` never fires for it (it grew without bound before)."""
+        return None if self._started_at is None else 0.0
 
     def is_stale(self) -> bool:
         """Never: the list cannot change."""

@@ -86,6 +86,26 @@ def _chars_chat(messages: list[dict[str, Any]]) -> str:
     return "".join(parts)
 
 
+def _truncate_messages(messages: list[dict[str, Any]], max_chars: int) -> tuple[list[dict[str, Any]], int]:
+    """``messages`` with at most ``max_chars`` characters of content in all (in order: the last kept message is cut,
+    later ones dropped), and how many content characters were cut. A chat template renders messages in order, so the
+    rendering of the kept part is a prefix of the full rendering up to the cut."""
+    total = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    if total <= max_chars:
+        return messages, 0
+    kept: list[dict[str, Any]] = []
+    budget = max_chars
+    for m in messages:
+        content = m.get("content")
+        if budget <= 0:
+            break
+        if isinstance(content, str) and len(content) > budget:
+            m = {**m, "content": content[:budget]}
+        kept.append(m)
+        budget -= len(m["content"]) if isinstance(m.get("content"), str) else 0
+    return kept, total - sum(len(m["content"]) for m in kept if isinstance(m.get("content"), str))
+
+
 class PrefixKeyExtractor:
     """Computes a request's ``PrefixKey`` (see ``router/types.py``) from its JSON body.
 
@@ -102,6 +122,10 @@ class PrefixKeyExtractor:
         self.block_chars = block_chars
         self.prefix_blocks = prefix_blocks
         self.max_blocks = max_blocks
+        # Text past this many characters is not rendered or tokenized (8 characters per token is generous, so the
+        # first max_blocks blocks still come from real tokens); its tokens are estimated from the tokenized part.
+        # Regression: 7.5 MB prompts were tokenized in full (39 s, 2 GB RSS, a stalled event loop).
+        self.max_chars = max_blocks * block_tokens * 8
         self._tokenizers: dict[str, Any] = {}
 
     def set_tokenizer(self, model: str, tokenizer: Any) -> None:
@@ -133,13 +157,15 @@ class PrefixKeyExtractor:
                 return self._chars_key(_chars_chat(messages), model, salt)
             if getattr(tokenizer, "chat_template", None) is None:
                 return None  # the engine refuses chat for a model without a template
+            messages, dropped_chars = _truncate_messages(messages, self.max_chars)
             try:
                 prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except Exception:  # noqa: BLE001 - a template refusing these messages is the engine's 400
                 return None
             if not isinstance(prompt, str):
                 return None
-            return self._text_key(prompt, model, salt, tokenizer, add_special_tokens=False)
+            return self._text_key(prompt, model, salt, tokenizer, add_special_tokens=False,
+                                  extra_chars=dropped_chars)
         if endpoint == "completions":
             return self._prompt_key(body.get("prompt"), model, salt, tokenizer)
         if endpoint == "generate":
@@ -172,10 +198,15 @@ class PrefixKeyExtractor:
         return None
 
     def _text_key(
-        self, text: str, model: str, salt: Any, tokenizer: Any, add_special_tokens: bool
+        self, text: str, model: str, salt: Any, tokenizer: Any, add_special_tokens: bool, extra_chars: int = 0
     ) -> PrefixKey | None:
+        """Token blocks of ``text`` (its first ``max_chars`` characters; the rest, and ``extra_chars`` characters cut
+        off before rendering, count in ``prompt_tokens`` at the tokenized part's tokens per character)."""
         try:
             text.encode("utf-8")  # lone surrogates: the engine answers 400
+            if len(text) > self.max_chars:
+                extra_chars += len(text) - self.max_chars
+                text = text[: self.max_chars]
             backend = getattr(tokenizer, "backend_tokenizer", None)
             if backend is not None:  # the same ids without transformers' per-call wrapper (~30 us of ~75 us)
                 ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -183,7 +214,9 @@ class PrefixKeyExtractor:
                 ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception:  # noqa: BLE001 - a tokenizer error on client text is the engine's 400
             return None
-        return self._ids_key(ids, model, salt)
+        # The cut-off text is estimated at the tokens per character of the part that was tokenized.
+        extra_tokens = round(extra_chars * len(ids) / len(text)) if extra_chars and text else 0
+        return self._ids_key(ids, model, salt, estimated_extra_tokens=extra_tokens)
 
     # ------------------------------------------------------------------------------------------------ hashing
 
@@ -201,7 +234,7 @@ class PrefixKeyExtractor:
         routing_key = blocks[k - 1] if k else _as_int(h0)
         return PrefixKey(model, kind, tuple(blocks), routing_key, prompt_tokens, block_tokens)
 
-    def _ids_key(self, ids: list[Any], model: str, salt: Any) -> PrefixKey | None:
+    def _ids_key(self, ids: list[Any], model: str, salt: Any, estimated_extra_tokens: int = 0) -> PrefixKey | None:
         """Token blocks of ``block_tokens`` ids, packed as uint32 so one blake2b call hashes a block."""
         h0 = self._namespace("tokens", model, salt)
         if h0 is None:
@@ -220,7 +253,7 @@ class PrefixKeyExtractor:
         for off in range(0, n_full * step, step):
             prev = _digest(prev + buf[off : off + step])
             blocks.append(_as_int(prev))
-        return self._key("tokens", model, h0, blocks, len(ids), bt)
+        return self._key("tokens", model, h0, blocks, len(ids) + estimated_extra_tokens, bt)
 
     def _chars_key(self, text: str, model: str, salt: Any) -> PrefixKey | None:
         """Character blocks of ``block_chars`` characters; tokens estimated at 4 characters each."""

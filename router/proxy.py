@@ -58,6 +58,14 @@ class _Dropped(Exception):
     """The upstream connection failed before any answer (connect error / refused / dropped): try the next one."""
 
 
+_FALSY = (None, False, 0, "", "false", "False", "0", "no", "off", "f", "n")
+
+
+def _truthy(value: Any) -> bool:
+    """``stream_options.include_usage`` as the engine's (pydantic, lax) parsing reads it."""
+    return value not in _FALSY
+
+
 class Proxy:
     """Routes and relays the generation requests. One per app; holds no per-request state.
 
@@ -90,12 +98,16 @@ class Proxy:
             child = self._requests_children[(model, code)] = self.metrics.requests.labels(model, str(code))
         child.inc()
 
-    async def _error(self, send: Send, status: int, message: str, model: str, param: str | None = None) -> None:
+    async def _error(self, send: Send, status: int, message: str, model: str, param: str | None = None,
+                     t0: float | None = None) -> None:
+        """Answer an OpenAI error body and count it (with its duration when ``t0``, the arrival time, is given)."""
         body = json.dumps(error_body(message, status, param)).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [_JSON_CT, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self._count(model, status)
+        if t0 is not None:
+            self.metrics.duration.observe(time.perf_counter() - t0)
 
     @staticmethod
     def _parse(raw: bytes) -> dict[str, Any] | str:
@@ -162,15 +174,15 @@ class Proxy:
         big = len(raw) > OFFLOAD_BODY_BYTES
         body = await asyncio.to_thread(self._parse, raw) if big else self._parse(raw)
         if isinstance(body, str):
-            await self._error(send, 400, body, "unknown")
+            await self._error(send, 400, body, "unknown", t0=t0)
             return
         status, model = self._resolve_model(kind, body)
         if status:
-            await self._error(send, status, model, "unknown", "model" if status in (400, 404) else None)
+            await self._error(send, status, model, "unknown", "model" if status in (400, 404) else None, t0=t0)
             return
         workers = self.pool.routable(model)
         if not workers:
-            await self._error(send, 503, f"no engine is available for model `{model}`", model)
+            await self._error(send, 503, f"no engine is available for model `{model}`", model, t0=t0)
             return
         if big:
             key = await asyncio.to_thread(self.extractor.extract, kind, body, model)
@@ -185,10 +197,14 @@ class Proxy:
         content = raw
         if stream and kind != "generate":
             so = body.get("stream_options")
-            if not (isinstance(so, dict) and so.get("include_usage") is True):
+            # A malformed stream_options is left for the engine to refuse (400); a usage flag the engine's lax
+            # parsing reads as true (1, "true") means the client asked for the usage chunk.
+            if so is None or (isinstance(so, dict) and not _truthy(so.get("include_usage"))):
                 # Ask for the usage chunk (it carries cached_tokens) and hide it from this client.
-                body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
-                content = json.dumps(body, ensure_ascii=False).encode()
+                body["stream_options"] = {**(so or {}), "include_usage": True}
+                # ensure_ascii: a lone surrogate (valid JSON escape, not encodable UTF-8) reaches the engine as the
+                # escape it came in as, and the engine answers 400 (regression: UnicodeEncodeError -> 500).
+                content = json.dumps(body).encode()
                 strip_usage = True
         headers = {"content-type": "application/json", constants.HEADER_REQUEST_ID: rid,
                    "accept-encoding": "identity"}
@@ -337,10 +353,11 @@ class _Relay:
             return await p.transport.handle_async_request(request)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             raise _Dropped(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
-        except httpx.RemoteProtocolError as e:
-            # The connection closed before any response: the engine died, or it closed a pooled keep-alive
-            # connection just as we reused it.
-            raise _Dropped(f"RemoteProtocolError: {e}") from e
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+            # The connection closed or reset before any response byte: the engine died (a pooled connection to a
+            # killed engine reads a reset), or it closed a keep-alive connection just as we reused it. Nothing was
+            # answered, so the next candidate may serve it.
+            raise _Dropped(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
 
     async def _relay(self, send: Send, resp: httpx.Response, worker: str, reason: str) -> None:
         ctype = resp.headers.get("content-type", "")

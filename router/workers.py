@@ -243,8 +243,18 @@ class WorkerPool:
         self._probe_task = None
 
     async def _probe_loop(self) -> None:
+        # Each worker's probe runs on its own: a frozen engine (probes timing out) must not delay the probes, and so
+        # the ejection or re-admission, of the others (regression: one round waited for the slowest probe).
+        probing: dict[str, asyncio.Task[None]] = {}
         while True:
-            await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())), return_exceptions=True)
+            for w in list(self.workers.values()):
+                task = probing.get(w.url)
+                if task is None or task.done():
+                    task = probing[w.url] = asyncio.get_running_loop().create_task(self._probe(w))
+                    self._pending_probes.add(task)
+                    task.add_done_callback(self._pending_probes.discard)
+            for url in [u for u, t in probing.items() if t.done() and u not in self.workers]:
+                del probing[url]
             await asyncio.sleep(self.args.health_interval_s)
 
     async def probe_now(self) -> None:
@@ -258,13 +268,7 @@ class WorkerPool:
             if r.status_code != 200:
                 raise _ProbeError(f"/health answered {r.status_code}")
             if w.state == "pending":
-                r = await self.client.get(w.url + "/v1/models", headers=self._headers, timeout=timeout)
-                if r.status_code != 200:
-                    raise _ProbeError(f"/v1/models answered {r.status_code}")
-                cards = {m["id"]: m for m in r.json().get("data", []) if isinstance(m.get("id"), str)}
-                models = tuple(cards)
-                if not models:
-                    raise _ProbeError("/v1/models listed no model")
+                models, cards = await self._read_models(w, timeout)
                 # Admit the worker only once its model's prefix keys are settled: keys computed on character blocks
                 # before the tokenizer arrived would differ from later token-block keys, splitting a conversation's
                 # turns across workers (regression: turn 2 of a chat landed on the other engine).
@@ -280,6 +284,17 @@ class WorkerPool:
                 logger.info("worker %s ready, serving %s", w.url, ", ".join(models))
                 self._changed()
             else:
+                # Every probe re-reads the models: the URL may now be a new process (a restart, a reused pod IP)
+                # serving others (regression: the old list stayed; requests for it got the engine's 404).
+                models, cards = await self._read_models(w, timeout)
+                if models != w.models:
+                    for model in models:
+                        await self._tokenizer_settled(model, w)
+                    if w.removed:
+                        return
+                    logger.info("worker %s now serves %s", w.url, ", ".join(models))
+                    w.models, w.model_cards = models, cards
+                    self._changed()
                 self.record_success(w)
         except (httpx.HTTPError, _ProbeError, ValueError, KeyError, TypeError, AttributeError) as e:
             if w.removed:
@@ -292,6 +307,16 @@ class WorkerPool:
             return
         for model in w.models:
             self._ensure_tokenizer(model, w)
+
+    async def _read_models(self, w: WorkerState, timeout: float) -> tuple[tuple[str, ...], dict[str, Any]]:
+        """``(model ids, model cards by id)`` from ``w``'s ``/v1/models``. Raises _ProbeError / httpx errors."""
+        r = await self.client.get(w.url + "/v1/models", headers=self._headers, timeout=timeout)
+        if r.status_code != 200:
+            raise _ProbeError(f"/v1/models answered {r.status_code}")
+        cards = {m["id"]: m for m in r.json().get("data", []) if isinstance(m.get("id"), str)}
+        if not cards:
+            raise _ProbeError("/v1/models listed no model")
+        return tuple(cards), cards
 
     # ------------------------------------------------------------------------------------------------ tokenizers
     def _ensure_tokenizer(self, model: str, w: WorkerState) -> _TokenizerFetch:

@@ -265,6 +265,13 @@ def test_body_limit_413_and_api_key_401(tok):
         assert httpx.get(r + "/metrics").status_code == 200
         client = openai.OpenAI(base_url=r + "/v1", api_key="sekret", max_retries=0)
         assert client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2).choices[0].message.content
+        # The scheme is case-insensitive (regression: "bearer sekret" got 401).
+        assert httpx.post(r + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2},
+                          headers={"authorization": "bearer sekret"}).status_code == 200
+        # Answers of the edge middleware are counted too (regression: 401 and 413 never reached requests_total).
+        text = httpx.get(r + "/metrics").text
+        assert 'radixserve_router_requests_total{code="413",model="unknown"} 1.0' in text
+        assert 'radixserve_router_requests_total{code="401",model="unknown"} 2.0' in text
 
 
 def test_no_routable_worker_503():
@@ -486,3 +493,126 @@ def test_both_upstream_transports_proxy_streams_and_retry(tok, transport):
             assert len(chunks) == 4 and chunks[-1]["choices"][0]["finish_reason"] == "length"
         plain = httpx.post(r + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 2
+
+
+def test_stream_with_lone_surrogate_is_the_engines_400_not_a_500(tok):
+    """Regression: re-encoding the body to add stream_options failed on a lone surrogate escape (valid JSON, not
+    encodable as UTF-8) and answered 500; the non-stream form already got the engine's 400."""
+    raw = b'{"messages": [{"role": "user", "content": "hi \\ud800 there"}], "max_tokens": 3, "stream": true}'
+    with engines(tok, 1) as (fakes, urls), router(urls) as r:
+        for path, body in (("/v1/chat/completions", raw),
+                           ("/v1/completions", b'{"prompt": "hi \\udfff", "max_tokens": 3, "stream": true}')):
+            resp = httpx.post(r + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+            assert_error(resp, 400, "not valid Unicode")
+        assert httpx.post(r + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_stream_options_read_as_the_engine_reads_them(tok):
+    """Regression: include_usage: 1 (which the engine reads as true) had its usage chunk stripped, and a malformed
+    stream_options (an engine 400) was overwritten and answered 200."""
+    with engines(tok, 1) as (_, urls), router(urls) as r:
+        body = {"messages": MSGS, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": 1}}
+        chunks = sse_payloads(httpx.post(r + "/v1/chat/completions", json=body, timeout=30).text)
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+        body["stream_options"] = "x"
+        assert_error(httpx.post(r + "/v1/chat/completions", json=body, timeout=30), 400)
+
+
+class _ResettingUpstream:
+    """A bare HTTP/1.1 server: GETs answer like an engine (health, models), every POST is answered with a TCP reset
+    (SO_LINGER 0), as a pooled connection to a SIGKILLed engine reads."""
+
+    def __init__(self) -> None:
+        import socketserver
+        import struct
+        import threading
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                while True:
+                    line = self.rfile.readline()
+                    if not line:
+                        return
+                    method = line.split(b" ")[0]
+                    length = 0
+                    while (h := self.rfile.readline()) not in (b"\r\n", b""):
+                        if h.lower().startswith(b"content-length:"):
+                            length = int(h.split(b":")[1])
+                    self.rfile.read(length)
+                    if method == b"POST":
+                        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        self.connection.close()
+                        return
+                    path = line.split(b" ")[1]
+                    body = (json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+                            if path == b"/v1/models" else b"{}")
+                    status = b"404 Not Found" if path == constants.ENGINE_TOKENIZER_FILES_PATH.encode() else b"200 OK"
+                    self.wfile.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+                                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        return self.url
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+def test_reset_before_any_response_byte_is_retried(transport):
+    """Regression: with the httpx transport a connection reset before the response (a killed engine) answered
+    502 instead of trying the next candidate."""
+    tok = load_tokenizer()
+    with _ResettingUpstream() as resetting, engines(tok, 1) as (_, live), router(
+            [resetting, live[0]], policy="round_robin", eject_after_failures=100, upstream_transport=transport) as r:
+        reasons = []
+        for i in range(4):
+            resp = httpx.post(r + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 2}, timeout=30)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers[constants.HEADER_WORKER] == live[0]
+            reasons.append(resp.headers[constants.HEADER_ROUTE_REASON])
+        assert "retry" in reasons
+
+
+def test_readmitted_worker_rereads_its_models(tok):
+    """Regression: an engine restarted on the same URL serving another model kept its old model list in the router
+    (requests for the old model got the engine's 404; the new model was unknown to the router)."""
+    old, new = FakeEngine(tok), FakeEngine(tok)
+    new.served_model_name = "other-model"
+    first = ServerThread(engine_app(old, manage_engine=False))
+    url = first.__enter__()
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        with router([url], eject_after_failures=1, health_interval_s=0.2, readmit_after_s=0.5) as r:
+            first.__exit__(None, None, None)
+            first = None
+            assert wait_until(lambda: health(r)["routable_workers"] == 0, 30)
+            second = ServerThread(engine_app(new, manage_engine=False))
+            second.port, second.url = port, url
+            import uvicorn
+
+            second.server = uvicorn.Server(uvicorn.Config(second.server.config.app, host="127.0.0.1", port=port,
+                                                          log_level="warning"))
+            with second:
+                assert wait_until(lambda: health(r)["routable_workers"] == 1, 30)
+                assert [m["id"] for m in httpx.get(r + "/v1/models").json()["data"]] == ["other-model"]
+                resp = httpx.post(r + "/v1/completions", json={"model": "other-model", "prompt": "x", "max_tokens": 2})
+                assert resp.status_code == 200
+                assert_error(httpx.post(r + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}),
+                             404)
+    finally:
+        if first is not None:
+            first.__exit__(None, None, None)
+
+
+def test_static_discovery_age_is_zero():
+    """Regression: discovery_age_seconds grew without bound for a static worker list, firing any staleness alert."""
+    with router([dead_url()], wait_for=0) as r:
+        assert metric(r, "discovery_age_seconds") == 0.0
+        assert health(r)["discovery"]["age_s"] == 0.0

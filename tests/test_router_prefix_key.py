@@ -285,3 +285,24 @@ def test_extract_never_raises(tok, endpoint, body, use_tok):
         assert key.model == MODEL and key.prompt_tokens >= 0
         if key.kind == "tokens":
             assert len(key.blocks) == key.prompt_tokens // 4
+
+
+@requires_model
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_huge_prompt_renders_and_tokenizes_only_what_blocks_can_reach(tok, endpoint):
+    """Regression: 7.5 MB prompts were rendered and tokenized in full (39 s and 2 GB per request in the router).
+    Only the first ``max_chars`` characters are tokenized; the blocks equal those of the full prompt and the rest of
+    the prompt is estimated at 4 characters per token."""
+    words = " ".join(f"w{i % 977}" for i in range(40_000))  # ~240k characters, ~3.5 chars per token
+    body = ({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": words},
+                          {"role": "assistant", "content": "ok"}, {"role": "user", "content": words}]}
+            if endpoint == "chat" else {"prompt": words * 2})
+    small = PrefixKeyExtractor(block_tokens=16, prefix_blocks=4, max_blocks=64)
+    small.set_tokenizer(MODEL, tok)
+    unbounded = PrefixKeyExtractor(block_tokens=16, prefix_blocks=4, max_blocks=64)
+    unbounded.set_tokenizer(MODEL, tok)
+    unbounded.max_chars = 10**9
+    cut, full = small.extract(endpoint, body, MODEL), unbounded.extract(endpoint, body, MODEL)
+    assert small.max_chars == 64 * 16 * 8 < len(words)
+    assert cut.blocks == full.blocks and len(cut.blocks) == 64 and cut.routing_key == full.routing_key
+    assert 0.6 * full.prompt_tokens < cut.prompt_tokens < 1.4 * full.prompt_tokens  # estimated past the cut

@@ -66,3 +66,38 @@ def test_missing_subcommand_is_a_usage_error():
     with pytest.raises(SystemExit) as e:
         main([])
     assert e.value.code == 2
+
+
+def test_bad_log_level_is_a_usage_error_not_a_traceback(capsys):
+    # Regression: `radixserve router --log-level loud` died with a ValueError traceback.
+    assert main(["router", "--worker-urls", "http://127.0.0.1:1", "--log-level", "loud"]) == 2
+    assert "--log-level" in capsys.readouterr().err
+
+
+def test_up_refuses_busy_or_clashing_ports():
+    # Regression: with an engine port already taken, `up` fronted the other process while its own engine restarted
+    # forever; with the router on an engine port, the router probed itself.
+    import socket
+
+    from radixserve.local_stack import check_ports_free
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port {port} on 127.0.0.1 is not free"):
+            check_ports_free([("127.0.0.1", port)])
+    with pytest.raises(ValueError, match="given to two servers"):
+        check_ports_free([("127.0.0.1", port), ("127.0.0.1", port)])
+    check_ports_free([("127.0.0.1", port)])  # free again once closed
+
+
+def test_up_with_a_busy_engine_port_exits_2_before_starting_engines(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["up", "--engines", "1", "--engine-base-port", str(port), "--port", "0"]) == 2
+    assert f"port {port}" in capsys.readouterr().err
