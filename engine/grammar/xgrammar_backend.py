@@ -11,8 +11,8 @@ Design after SGLang's ``XGrammarGrammarBackend`` (srt/constrained/xgrammar_backe
 - each generated sample gets its own ``xgrammar.GrammarMatcher`` (``Grammar.matcher()``), which sees only generated
   tokens (never the prompt), so radix-cache hits and retraction do not touch grammar state.
 
-JSON is compact by default (``separators=(",", ":")``, no free whitespace): a small model otherwise loops on spaces and
-newlines inside an object until max_tokens.
+JSON is compact by default (``separators=(",", ":")``, no free whitespace) and unconstrained numbers have a bounded
+number of digits: a small model otherwise loops on spaces, newlines or digits until max_tokens.
 """
 
 from __future__ import annotations
@@ -151,8 +151,15 @@ class GrammarBackend:
         t0 = time.perf_counter()
         try:
             if kind == "json_schema":
-                compiled = compiler.compile_json_schema(_check_schema(text), any_whitespace=False,
-                                                        separators=JSON_SEPARATORS)
+                import xgrammar as xgr
+
+                schema = bound_schema_numbers(_check_schema(text))
+                grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                                       separators=JSON_SEPARATORS)
+                try:
+                    compiled = compiler.compile_grammar(bound_json_numbers(str(grammar)))
+                except Exception:  # the rewrite did not parse (another xgrammar's printing): unbounded numbers
+                    compiled = compiler.compile_grammar(grammar)
             elif kind == "regex":
                 compiled = compiler.compile_regex(text)
             else:
@@ -167,8 +174,72 @@ class GrammarBackend:
         return Grammar(kind, text, compiled)
 
 
-def _check_schema(text: str) -> str:
-    """Checks that ``text`` is a JSON object or boolean (what JSON Schema allows) and returns it.
+# Digits allowed in the integer part and in the fraction of an unconstrained JSON number (a float64 holds 15-17
+# significant digits), and in its exponent. Small models otherwise loop on digits ("10.0000000000001111...") until
+# max_tokens, the number analogue of runaway whitespace.
+MAX_NUMBER_DIGITS = 15
+MAX_EXPONENT_DIGITS = 3
+_NUMBER_RULE = re.compile(r"^basic_(integer|number_\d+) ::=")
+
+
+def bound_json_numbers(ebnf: str) -> str:
+    """Rewrite xgrammar's JSON-schema EBNF so unconstrained numbers have at most ``MAX_NUMBER_DIGITS`` digits in the
+    integer part and in the fraction and ``MAX_EXPONENT_DIGITS`` in the exponent.
+
+    Only xgrammar's generic ``basic_integer`` / ``basic_number_*`` rules are touched (numbers with ``minimum`` /
+    ``maximum`` get their own, already bounded, rules; user ``pattern`` strings are never rewritten).
+    """
+    out = []
+    for line in ebnf.splitlines():
+        if _NUMBER_RULE.match(line):
+            line = line.replace("[0-9]*", "[0-9]{0,%d}" % (MAX_NUMBER_DIGITS - 1))
+            digits = MAX_EXPONENT_DIGITS if "[eE]" in line else MAX_NUMBER_DIGITS
+            line = line.replace("basic_number_digits{1, -1}", "basic_number_digits{1,%d}" % digits)
+        out.append(line)
+    return "\n".join(out)
+
+
+# Magnitude bound added to integer / number schemas that have only one of minimum / maximum: xgrammar turns a one-sided
+# range into an unbounded digit loop, a two-sided one into a digit-bounded rule. 15 digits: what a float64 holds.
+NUMBER_BOUND = 10**MAX_NUMBER_DIGITS - 1
+# Keywords whose values are instances (data), not subschemas: never rewritten.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def bound_schema_numbers(schema: Any) -> Any:
+    """A copy of ``schema`` where every integer / number subschema bounded on one side only gets the other side
+    (``-NUMBER_BOUND`` or ``NUMBER_BOUND``), unless that would contradict the given bound.
+
+    Only narrows what the schema accepts, so outputs still validate against the original. Ranged numbers then have at
+    most 6 fraction digits (xgrammar's range rules).
+    """
+    if isinstance(schema, list):
+        return [bound_schema_numbers(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYWORDS else bound_schema_numbers(v)) for k, v in schema.items()}
+    types = out.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" in types or "number" in types:
+        lo = _num(out.get("minimum"), out.get("exclusiveMinimum"))
+        hi = _num(out.get("maximum"), out.get("exclusiveMaximum"))
+        if lo is not None and hi is None and lo < NUMBER_BOUND:
+            out["maximum"] = NUMBER_BOUND
+        elif hi is not None and lo is None and hi > -NUMBER_BOUND:
+            out["minimum"] = -NUMBER_BOUND
+    return out
+
+
+def _num(*values: Any) -> float | None:
+    """The first numeric (non-bool) value, or None."""
+    for v in values:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _check_schema(text: str) -> Any:
+    """Parses ``text``; returns the schema when it is a JSON object or boolean (what JSON Schema allows).
 
     Raises InvalidRequestError otherwise (xgrammar's parse errors echo the whole text back)."""
     try:
@@ -179,4 +250,4 @@ def _check_schema(text: str) -> str:
         raise InvalidRequestError(
             f"invalid json_schema: a schema must be a JSON object or boolean, got {type(schema).__name__}",
             "json_schema")
-    return text
+    return schema

@@ -1,0 +1,527 @@
+"""Constrained decoding (xgrammar): the bitmask kernel, the grammar backend, and the engine on the real model.
+
+The engine tests use one fp32 engine (greedy, deterministic) for the module, also served over HTTP for the streaming
+and error-path checks. Every constrained output must parse / fully match; invalid grammars are 400s raised before the
+request reaches the scheduler, twice (the second from the failure cache), and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any
+
+import httpx
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import MODEL_DIR, requires_model
+from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, SamplingParams
+from radixserve.engine.sampling.sampler import apply_token_bitmask
+
+V = 49152
+WORDS = V // 32
+
+
+# ------------------------------------------------------------------------------------------------- bitmask kernel
+
+
+def _reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Plain unpack of xgrammar's layout: bit j of word w allows token 32 w + j."""
+    out = logits.clone()
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, : logits.shape[1]]
+    for r in rows:
+        out[r, torch.from_numpy(bits[r] == 0)] = float("-inf")
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    density=st.sampled_from([0.0, 0.001, 0.3, 0.7, 0.999, 1.0]),
+    seed=st.integers(0, 2**16),
+    vocab_cut=st.sampled_from([0, 5]),
+)
+def test_apply_token_bitmask_matches_unpacked_reference(batch, density, seed, vocab_cut):
+    g = torch.Generator().manual_seed(seed)
+    vocab = V - vocab_cut  # logits narrower than the mask's last word
+    allowed = torch.rand(batch, WORDS * 32, generator=g) < density
+    packed = np.packbits(allowed.numpy(), axis=-1, bitorder="little").view(np.int32)
+    bitmask = torch.from_numpy(packed.copy())
+    logits = torch.randn(batch, vocab, generator=g)
+    rows = [r for r in range(batch) if r % 2 == 0 or batch == 1]
+    expected = _reference_mask(logits, bitmask, rows)
+    apply_token_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
+
+
+def test_apply_token_bitmask_agrees_with_xgrammar():
+    xgr = pytest.importorskip("xgrammar")
+    g = torch.Generator().manual_seed(0)
+    for density in (0.0005, 0.5, 0.9995):
+        allowed = torch.rand(3, V, generator=g) < density
+        bitmask = torch.from_numpy(np.packbits(allowed.numpy(), axis=-1, bitorder="little").view(np.int32).copy())
+        ours, theirs = torch.randn(3, V, generator=g), None
+        theirs = ours.clone()
+        apply_token_bitmask(ours, bitmask, [0, 1, 2])
+        xgr.apply_token_bitmask_inplace(theirs, bitmask)
+        assert torch.equal(ours, theirs)
+
+
+def test_apply_token_bitmask_rejects_non_float32_cpu_logits():
+    with pytest.raises(ValueError):
+        apply_token_bitmask(torch.zeros(1, V, dtype=torch.bfloat16), torch.zeros(1, WORDS, dtype=torch.int32), [0])
+
+
+# ------------------------------------------------------------------------------------------------- validation
+
+
+def test_at_most_one_grammar_field():
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(regex="a", ebnf='root ::= "a"').validate(V)
+    assert e.value.status_code == 400 and "at most one" in e.value.message
+    SamplingParams(regex="a").validate(V)  # no interim "not supported" refusal
+    assert SamplingParams(json_schema="{}").grammar_key() == ("json_schema", "{}")
+    assert SamplingParams().grammar_key() is None
+
+
+# ------------------------------------------------------------------------------------------------- real model
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": list(props) if required is None else required}
+
+
+S = {"type": "string", "maxLength": 60}
+# 22 prompts: nested objects, arrays, enums, bounded integers and numbers, booleans, patterns, optional fields, one in
+# Chinese and one asking for a table.
+SCHEMA_PROMPTS: list[tuple[str, dict[str, Any]]] = [
+    ("Describe a person.", PERSON),
+    ("Invent a character for a fantasy novel.", PERSON),
+    ("请用JSON描述一个人的姓名和年龄。", PERSON),
+    ("Make a table of three countries and their capitals.",
+     _obj({"rows": {"type": "array", "items": _obj({"country": S, "capital": S}), "minItems": 1, "maxItems": 3}})),
+    ("Give me a user profile with a home address.",
+     _obj({"user": _obj({"name": S, "email": S}),
+           "address": _obj({"city": S, "zip": {"type": "string", "pattern": "[0-9]{5}"}})})),
+    ("What is the weather like today?",
+     _obj({"condition": {"enum": ["sunny", "rainy", "cloudy", "snowy"]},
+           "temperature_c": {"type": "integer", "minimum": -50, "maximum": 60}})),
+    ("Rate the movie Inception from 1 to 10.",
+     _obj({"movie": S, "rating": {"type": "integer", "minimum": 1, "maximum": 10}})),
+    ("List three fruits.", _obj({"fruits": {"type": "array", "items": S, "minItems": 3, "maxItems": 3}})),
+    ("Is the sky blue? Answer with a reason.", _obj({"answer": {"type": "boolean"}, "reason": S})),
+    ("How much does a cup of coffee cost?", _obj({"item": S, "price": {"type": "number", "minimum": 0}})),
+    ("Pick a primary color.", _obj({"color": {"enum": ["red", "green", "blue"]}})),
+    ("Recommend a classic book.",
+     _obj({"title": S, "author": S, "year": {"type": "integer", "minimum": 1000, "maximum": 2025}})),
+    ("List the first two planets and their positions from the sun.",
+     _obj({"planets": {"type": "array", "minItems": 2, "maxItems": 2,
+                       "items": _obj({"name": S, "position": {"type": "integer", "minimum": 1, "maximum": 8}})}})),
+    ("Create a to-do item for tomorrow.",
+     _obj({"task": S, "priority": {"enum": ["low", "medium", "high"]}, "done": {"type": "boolean"}})),
+    ("Describe a dog.", _obj({"breed": S, "age": {"type": "integer", "minimum": 0, "maximum": 30},
+                              "vaccinated": {"type": "boolean"}})),
+    ("Give the coordinates of Paris.",
+     _obj({"lat": {"type": "number", "minimum": -90, "maximum": 90},
+           "lon": {"type": "number", "minimum": -180, "maximum": 180}})),
+    ("Write a short product review.", _obj({"stars": {"type": "integer", "minimum": 1, "maximum": 5}, "title": S})),
+    ("Convert 5 kilometers to miles.", _obj({"km": {"type": "number"}, "miles": {"type": "number"}})),
+    ("Describe an upcoming concert.",
+     _obj({"event": _obj({"name": S, "date": {"type": "string", "pattern": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}}),
+           "attendees": {"type": "integer", "minimum": 0}})),
+    ("List the ingredients of a pancake recipe.",
+     _obj({"recipe": S, "ingredients": {"type": "array", "items": S, "minItems": 1, "maxItems": 5}})),
+    ("Classify the sentiment of: I love this!",
+     _obj({"sentiment": {"enum": ["positive", "negative", "neutral"]},
+           "confidence": {"type": "number", "minimum": 0, "maximum": 1}})),
+    ("Describe a city.",
+     _obj({"name": S, "population": {"type": "integer", "minimum": 0}, "country": S}, required=["name"])),
+]
+
+REGEXES = {
+    "date": ("When was the Eiffel Tower finished? Answer with a date (YYYY-MM-DD).", r"\d{4}-(0[1-9]|1[0-2])-\d{2}"),
+    "ipv4": ("What is the IP address of localhost?", r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)"),
+    "email": ("Give an example email address.", r"[a-z0-9._]{1,20}@[a-z0-9]{1,20}\.(com|org|net)"),
+}
+
+BAD_GRAMMARS = [
+    ("json_schema", json.dumps({"type": "object", "properties": {"foo": "bar"}}), "bar"),
+    ("json_schema", json.dumps({"type": "array", "items": 5}), "items"),
+    ("json_schema", json.dumps({"$ref": "#/definitions/missing"}), "definitions"),
+    ("json_schema", "{not json", "not valid JSON"),
+    ("json_schema", "[1, 2]", "object or boolean"),
+    ("regex", r"(a+)\1", "Backreference"),
+    ("regex", "[a-", "Unclosed"),
+    ("ebnf", 'root ::= "a', "string literal"),
+    ("ebnf", 'start ::= "a"', "root"),
+]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """``(engine, base_url)``: one real fp32 engine, also behind uvicorn."""
+    if not __import__("os").path.exists(MODEL_DIR + "/config.json"):
+        pytest.skip("demo model not converted")
+    from fake_engine import ServerThread, wait_until
+    from radixserve.engine.config import EngineArgs
+    from radixserve.engine.engine import Engine
+    from radixserve.engine.server.http import create_app
+
+    engine = Engine(EngineArgs(model_path=MODEL_DIR, dtype="float32", context_length=2048, num_threads=2,
+                               max_total_tokens=16384))
+    with ServerThread(create_app(engine)) as url:
+        assert wait_until(lambda: httpx.get(url + "/health").status_code == 200, 300)
+        yield engine, url
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[1]
+
+
+def chat_ids(engine: Any, text: str) -> list[int]:
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+async def _collect(engine: Any, ids: list[int], **params: Any) -> dict[int, dict[str, Any]]:
+    params.setdefault("temperature", 0.0)
+    params.setdefault("max_new_tokens", 160)
+    req = GenerateRequest(uuid.uuid4().hex, ids, SamplingParams(**params))
+    results: dict[int, dict[str, Any]] = {}
+    async for out in engine.generate(req):
+        r = results.setdefault(out.index, {"ids": [], "text": "", "finish": None, "cached": 0, "deltas": 0})
+        r["ids"] += out.token_ids
+        r["text"] += out.text
+        r["cached"] = out.cached_tokens
+        r["deltas"] += 1
+        if out.finished:
+            r["finish"] = out.finish_reason
+    return results
+
+
+def run(engine: Any, ids: list[int], **params: Any) -> dict[int, dict[str, Any]]:
+    return asyncio.run(_collect(engine, ids, **params))
+
+
+def run_many(engine: Any, jobs: list[tuple[list[int], dict[str, Any]]]) -> list[dict[int, dict[str, Any]]]:
+    async def go():
+        return await asyncio.gather(*[_collect(engine, ids, **p) for ids, p in jobs])
+
+    return asyncio.run(go())
+
+
+def counter(engine: Any, name: str) -> float:
+    return getattr(engine.metrics, name)._value.get()
+
+
+def assert_idle(engine: Any) -> None:
+    sched = engine.scheduler
+
+    def check():
+        assert not sched.running and not sched.waiting and sched.chunked_req is None
+        assert sched.cache.protected_size() == 0
+        assert sched.allocator.available() + sched.cache.evictable_size() == sched.allocator.size
+
+    sched.call(check)
+    assert engine._grammar_queue == 0
+
+
+def assert_valid_json(text: str, schema: dict[str, Any], finish: dict[str, Any]) -> Any:
+    assert finish == {"type": "stop", "matched": 2}, (finish, text)
+    value = json.loads(text)
+    jsonschema.validate(value, schema)
+    assert "\n" not in text and not text.startswith(" ")  # compact: no free whitespace
+    return value
+
+
+@requires_model
+def test_json_schema_prompts_all_parse_and_validate(engine):
+    before = counter(engine, "num_constrained_requests_total")
+    jobs = [(chat_ids(engine, p), {"json_schema": json.dumps(s)}) for p, s in SCHEMA_PROMPTS]
+    outs = run_many(engine, jobs)
+    for (prompt, schema), out in zip(SCHEMA_PROMPTS, outs):
+        assert_valid_json(out[0]["text"], schema, out[0]["finish"])
+    assert counter(engine, "num_constrained_requests_total") - before == len(SCHEMA_PROMPTS)
+    assert_idle(engine)
+
+
+@requires_model
+def test_json_object_parses(engine):
+    out = run(engine, chat_ids(engine, "Give me any JSON object describing a car."), json_schema='{"type": "object"}')
+    assert isinstance(json.loads(out[0]["text"]), dict) and out[0]["finish"]["type"] == "stop"
+
+
+@requires_model
+@pytest.mark.parametrize("name", sorted(REGEXES))
+def test_regex_fully_matches(engine, name):
+    prompt, regex = REGEXES[name]
+    out = run(engine, chat_ids(engine, prompt), regex=regex, max_new_tokens=48)
+    assert re.fullmatch(regex, out[0]["text"]), out[0]["text"]
+    assert out[0]["finish"] == {"type": "stop", "matched": 2}
+
+
+@requires_model
+def test_ebnf(engine):
+    grammar = 'root ::= answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{1,40}'
+    out = run(engine, chat_ids(engine, "Is water wet?"), ebnf=grammar, max_new_tokens=60)
+    assert re.fullmatch(r"(yes|no) because [a-z ]{1,40}", out[0]["text"]), out[0]["text"]
+    assert out[0]["finish"]["type"] == "stop"
+
+
+@requires_model
+def test_empty_regex_gives_an_empty_completion(engine):
+    out = run(engine, chat_ids(engine, "Say something."), regex="", max_new_tokens=16)
+    assert out[0]["text"] == "" and out[0]["finish"] == {"type": "stop", "matched": 2}
+    assert out[0]["ids"] == [2]  # only eos was allowed
+
+
+@requires_model
+def test_ignore_eos_still_stops_when_the_grammar_ends(engine):
+    out = run(engine, chat_ids(engine, "Yes or no?"), ebnf='root ::= "yes" | "no"', ignore_eos=True)
+    assert out[0]["text"] in ("yes", "no") and out[0]["finish"]["type"] == "stop"
+
+
+@requires_model
+def test_invalid_grammars_are_400_twice_and_the_engine_keeps_serving(engine):
+    for kind, text, needle in BAD_GRAMMARS:
+        for attempt in range(2):
+            hits = counter(engine, "grammar_cache_hits_total")
+            with pytest.raises(InvalidRequestError) as e:
+                run(engine, chat_ids(engine, "JSON please"), **{kind: text})
+            assert e.value.status_code == 400 and e.value.param == kind
+            assert needle in e.value.message and kind in e.value.message, e.value.message
+            if attempt == 1:
+                assert counter(engine, "grammar_cache_hits_total") == hits + 1  # the cached failure
+    assert engine.is_healthy()
+    out = run(engine, chat_ids(engine, "Describe a person."), json_schema=json.dumps(PERSON))
+    assert_valid_json(out[0]["text"], PERSON, out[0]["finish"])
+    assert_idle(engine)
+
+
+@requires_model
+def test_parallel_samples_each_follow_the_schema(engine):
+    out = run(engine, chat_ids(engine, "Describe a person."), json_schema=json.dumps(PERSON), n=3, temperature=1.0,
+              seed=11)
+    assert sorted(out) == [0, 1, 2]
+    for r in out.values():
+        assert_valid_json(r["text"], PERSON, r["finish"])
+    assert len({r["text"] for r in out.values()}) > 1  # independent matchers, different samples
+    assert_idle(engine)
+
+
+@requires_model
+def test_stop_string_with_schema(engine):
+    ids = chat_ids(engine, "Describe a person.")
+    full = run(engine, ids, json_schema=json.dumps(PERSON))[0]
+    assert '"age"' in full["text"]
+    cut = run(engine, ids, json_schema=json.dumps(PERSON), stop=['"age"'])[0]
+    assert cut["finish"] == {"type": "stop", "matched": '"age"'}
+    assert cut["text"] == full["text"][: full["text"].index('"age"')]
+
+
+@requires_model
+def test_constrained_after_a_cached_prefix(engine):
+    ids = chat_ids(engine, "Describe a person who lives in Lisbon and works as a baker.")
+    plain = run(engine, ids, max_new_tokens=8)[0]
+    assert plain["finish"] is not None
+    out = run(engine, ids, json_schema=json.dumps(PERSON))[0]
+    assert out["cached"] > 0  # the prompt came from the radix cache; the matcher still started fresh
+    assert_valid_json(out["text"], PERSON, out["finish"])
+    again = run(engine, ids, json_schema=json.dumps(PERSON))[0]
+    assert again["text"] == out["text"]  # cached prompt + cached grammar: same greedy output
+
+
+@requires_model
+def test_abort_mid_generation_frees_everything(engine):
+    async def go():
+        req = GenerateRequest(uuid.uuid4().hex, chat_ids(engine, "Describe a person."),
+                              SamplingParams(temperature=0.0, max_new_tokens=64, json_schema=json.dumps(PERSON)))
+        agen = engine.generate(req)
+        async for _ in agen:
+            break
+        await agen.aclose()
+
+    aborted = counter(engine, "num_aborted_requests_total")
+    asyncio.run(go())
+    from fake_engine import wait_until
+
+    assert wait_until(lambda: counter(engine, "num_aborted_requests_total") == aborted + 1, 60)
+    assert_idle(engine)
+
+
+class _RejectingMatcher:
+    """A matcher that allows every token, then rejects the sampled one (simulates a grammar bug)."""
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index].fill_(-1)
+
+    def accept_token(self, token: int) -> bool:
+        return False
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class _RejectingGrammar:
+    def matcher(self) -> _RejectingMatcher:
+        return _RejectingMatcher()
+
+
+@requires_model
+def test_a_rejected_token_aborts_instead_of_running_unconstrained(engine):
+    before = counter(engine, "grammar_aborts_total")
+    req = GenerateRequest(uuid.uuid4().hex, chat_ids(engine, "Hi"), SamplingParams(temperature=0.0, max_new_tokens=8))
+    req.grammar = _RejectingGrammar()
+
+    async def go():
+        return [out async for out in engine.generate(req)]
+
+    outs = asyncio.run(go())
+    assert outs[-1].finish_reason["type"] == "abort" and outs[-1].finish_reason["status_code"] == 500
+    assert "grammar" in outs[-1].finish_reason["message"]
+    assert sum(len(o.token_ids) for o in outs) == 0  # the rejected token was never emitted
+    assert counter(engine, "grammar_aborts_total") == before + 1
+    assert_idle(engine)
+
+
+@requires_model
+def test_metrics_are_exported(engine, url):
+    run(engine, chat_ids(engine, "Pick a primary color."), json_schema=json.dumps(SCHEMA_PROMPTS[10][1]))
+    text = httpx.get(url + "/metrics", timeout=30).text
+    for name in ("grammar_compile_seconds_count", "grammar_cache_hits_total", "num_grammar_queue_reqs",
+                 "num_constrained_requests_total", "grammar_aborts_total"):
+        assert re.search(rf"^radixserve_engine_{name}\{{", text, re.M), name
+    m = re.search(r"^radixserve_engine_grammar_compile_seconds_count\{[^}]*\} (\S+)$", text, re.M)
+    assert float(m.group(1)) >= 1
+
+
+# ------------------------------------------------------------------------------------------------- HTTP
+
+
+def _sse(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+
+
+@requires_model
+def test_native_streaming_with_a_schema(url):
+    body = {"text": "Describe a person as JSON:", "sampling_params": {"json_schema": json.dumps(PERSON),
+                                                                      "temperature": 0, "max_new_tokens": 160}}
+    full = httpx.post(url + "/generate", json=body, timeout=300).json()
+    events = _sse(url, body)
+    assert len(events) > 2
+    text = "".join(e["text"] for e in events)
+    assert text == full["text"]
+    jsonschema.validate(json.loads(text), PERSON)
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+
+
+@requires_model
+@pytest.mark.parametrize("stream", [False, True])
+def test_native_invalid_grammar_is_an_http_400_even_when_streaming(url, stream):
+    for _ in range(2):
+        r = httpx.post(url + "/generate", json={"text": "x", "stream": stream,
+                                                 "sampling_params": {"regex": r"(a+)\1"}}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "Backreference" in r.json()["message"] and r.json()["param"] == "regex"
+    r = httpx.post(url + "/generate", json={"text": "The capital of France is",
+                                             "sampling_params": {"max_new_tokens": 4, "temperature": 0}}, timeout=300)
+    assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
+# ------------------------------------------------------------------------------------------------- retraction
+
+
+@requires_model
+def test_retracted_constrained_requests_resume_consistently(engine):
+    """A retracted request keeps ``output_ids`` and its matcher (which accepted exactly those tokens), then
+    re-prefills them: the greedy outputs equal the ones of an engine with room to spare."""
+    from radixserve.engine.engine import Engine
+
+    prompts = [chat_ids(engine, p) for p, _ in SCHEMA_PROMPTS[:4]]
+    schemas = [s for _, s in SCHEMA_PROMPTS[:4]]
+    # 32 new tokens reserve 9 slots each at admission (36 <= 40: all four start together); together they need more
+    # than the 40 spare slots, so the newest are retracted and resumed.
+    jobs = [(ids, {"json_schema": json.dumps(s), "max_new_tokens": 32}) for ids, s in zip(prompts, schemas)]
+    reference = run_many(engine, jobs)
+    assert sum(len(r[0]["ids"]) for r in reference) > 60
+    shared = len(__import__("os").path.commonprefix(prompts))
+    need = sum(len(p) for p in prompts) - 3 * shared
+    small = Engine(dataclasses.replace(engine.args, max_total_tokens=need + 40))
+    small.start()
+    try:
+        outs = run_many(small, jobs)
+        assert small.metrics.num_retracted_reqs_total._value.get() >= 1
+        assert [o[0]["ids"] for o in outs] == [r[0]["ids"] for r in reference]
+        assert_idle(small)
+    finally:
+        small.shutdown()
+
+
+def test_bound_json_numbers_rewrites_only_generic_number_rules():
+    from radixserve.engine.grammar.xgrammar_backend import MAX_NUMBER_DIGITS, bound_json_numbers
+
+    ebnf = "\n".join([
+        'basic_integer ::= (("0") | (basic_integer_1 [1-9] [0-9]*))',
+        'basic_number_2 ::= (("0") | ([1-9] [0-9]*))',
+        'basic_number_3 ::= ("" | ("." basic_number_digits{1, -1}))',
+        'basic_number_5 ::= ("" | ([eE] basic_number_4 basic_number_digits{1, -1}))',
+        'root_1 ::= (([1-9] [0-9]*))',
+    ])
+    lines = bound_json_numbers(ebnf).splitlines()
+    assert lines[0].endswith("[0-9]{0,%d}))" % (MAX_NUMBER_DIGITS - 1))
+    assert lines[1].endswith("[0-9]{0,%d}))" % (MAX_NUMBER_DIGITS - 1))
+    assert "basic_number_digits{1,%d}" % MAX_NUMBER_DIGITS in lines[2]
+    assert "basic_number_digits{1,3}" in lines[3]
+    assert lines[4] == 'root_1 ::= (([1-9] [0-9]*))'  # a user's pattern stays as written
+
+
+@requires_model
+def test_unconstrained_numbers_have_bounded_digits(engine):
+    schema = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    g = engine.grammar_backend.get_sync("json_schema", json.dumps(schema))
+    m = g.matcher()
+    assert all(m.accept_string(c) for c in '{"x":1.')
+    assert all(m.accept_string("1") for _ in range(15))
+    assert not m.accept_string("1")  # a 16th fraction digit
+    assert m.accept_string("}")
+
+
+def test_bound_schema_numbers_closes_one_sided_ranges_only():
+    from radixserve.engine.grammar.xgrammar_backend import NUMBER_BOUND, bound_schema_numbers
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 0},
+        "b": {"type": ["number", "null"], "exclusiveMaximum": 5},
+        "c": {"type": "integer", "minimum": 1, "maximum": 3},
+        "d": {"type": "integer"},  # unbounded: the EBNF rewrite bounds its digits
+        "e": {"type": "integer", "minimum": 10**20},  # above the bound: left alone
+        "f": {"enum": [{"type": "integer", "minimum": 0}]},  # data, not a schema
+    }}
+    out = bound_schema_numbers(schema)["properties"]
+    assert out["a"] == {"type": "integer", "minimum": 0, "maximum": NUMBER_BOUND}
+    assert out["b"]["minimum"] == -NUMBER_BOUND and "maximum" not in out["b"]
+    assert out["c"] == schema["properties"]["c"] and out["d"] == schema["properties"]["d"]
+    assert out["e"] == schema["properties"]["e"] and out["f"] == schema["properties"]["f"]
+    assert schema["properties"]["a"] == {"type": "integer", "minimum": 0}  # the input is not modified
