@@ -10,6 +10,7 @@ OpenAI error body.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -230,6 +231,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.loop = asyncio.get_running_loop()  # for signal handlers (run_router's Server.handle_exit)
         await pool.start()
         await discovery.start(on_change)
         logger.info("router up: policy %s, discovery %s", args.policy, discovery.kind)
@@ -338,7 +340,16 @@ def run_router(args: RouterArgs) -> int:
     app = create_app(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), backlog=8192,
                             access_log=False, timeout_graceful_shutdown=5, limit_concurrency=None)
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # End requests in flight with a proper 503 / SSE error event now, rather than have the graceful timeout
+            # cut them; the signal may arrive mid-loop-iteration, so hand it to the loop.
+            loop = getattr(app.state, "loop", None)
+            if loop is not None:
+                loop.call_soon_threadsafe(app.state.proxy.begin_shutdown)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     logger.info("router serving on http://%s:%d", args.host, args.port)
     server.run()
     return 0 if server.started else 1

@@ -66,6 +66,12 @@ def _truthy(value: Any) -> bool:
     return value not in _FALSY
 
 
+def _sse_error(message: str, status: int) -> bytes:
+    """An SSE error event (the OpenAI error body under ``error``) then ``[DONE]``, as the engine ends a stream that
+    fails after it started."""
+    return b"data: " + json.dumps({"error": error_body(message, status)}).encode() + b"\n\ndata: [DONE]\n\n"
+
+
 class Proxy:
     """Routes and relays the generation requests. One per app; holds no per-request state.
 
@@ -86,6 +92,16 @@ class Proxy:
         self._auth = f"Bearer {args.engine_api_key}" if args.engine_api_key else None
         self._requests_children: dict[tuple[str, int], Any] = {}
         self._decision_children = {r: metrics.decisions.labels(r) for r in constants.ROUTE_REASONS}
+        self._active: set[asyncio.Task[Any]] = set()  # tasks relaying a request (ended early on shutdown)
+        self.shutting_down = False
+
+    def begin_shutdown(self) -> None:
+        """End every request in flight now (call on the event loop): a client gets a 503, or for a stream already
+        under way an SSE error event and ``[DONE]`` — instead of a connection cut when the server's graceful
+        timeout runs out (regression: streams ended without an event, one traceback logged per stream)."""
+        self.shutting_down = True
+        for task in list(self._active):
+            task.cancel()
 
     def endpoint(self, kind: Kind, path: str) -> "_Endpoint":
         """The ASGI app serving ``POST path`` as ``kind``."""
@@ -241,6 +257,8 @@ class _Relay:
         self.resp: httpx.Response | None = None
         self.code = 499  # the status the client got (499, nginx's "client closed request": the client left)
         self.counted = False  # an error reply already counted the request
+        self.started = False  # the response start was sent
+        self.sse = False  # ...and it is an event stream
 
     async def run(self, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -257,19 +275,38 @@ class _Relay:
                     return
 
         watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+        self.p._active.add(task)
         try:
             await self._dispatch_and_relay(send)
         except asyncio.CancelledError:
-            if not left:
+            if left:
+                task.uncancel()
+                self.code = 499
+            elif self.p.shutting_down:
+                task.uncancel()
+                await self._end_for_shutdown(send)
+            else:
                 raise
-            task.uncancel()
-            self.code = 499
         finally:
+            self.p._active.discard(task)
             watcher.cancel()
             await self._close()
             if not self.counted:
                 self.p._count(self.model, self.code)
             self.p.metrics.duration.observe(time.perf_counter() - self.t0)
+
+    async def _end_for_shutdown(self, send: Send) -> None:
+        try:
+            if not self.started:
+                await self.p._error(send, 503, "the router is shutting down; retry", self.model)
+                self.counted = True
+                return
+            if self.sse:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": _sse_error("the router is shutting down", 503)})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Exception:  # noqa: BLE001 - the client may be gone already
+            pass
 
     async def _close(self) -> None:
         resp, self.resp = self.resp, None
@@ -368,7 +405,9 @@ class _Relay:
         out.append((_H_WORKER, worker.encode()))
         out.append((_H_REASON, reason.encode()))
         self.code = resp.status_code
+        self.sse = sse
         await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
+        self.started = True
         ok = resp.status_code == 200
         try:
             if sse:
@@ -388,9 +427,8 @@ class _Relay:
                 self.p.pool.record_failure(self.worker, f"mid-response: {type(e).__name__}")
             logger.warning("engine %s failed mid-response: %s", worker, type(e).__name__)
             if sse:
-                event = {"error": error_body(f"the engine {worker} failed mid-response", 502)}
-                await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n",
-                            "more_body": True})
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": _sse_error(f"the engine {worker} failed mid-response", 502)})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _relay_sse(self, send: Send, resp: httpx.Response, ok: bool) -> None:

@@ -5,8 +5,9 @@ start ``pending`` until their ``/health`` and ``/v1/models`` answer; removed wor
 policy. An active probe task GETs every worker's ``/health`` each ``health_interval_s``. A per-worker circuit breaker
 (Nygard, *Release It!*; as in Envoy's outlier detection) ejects a worker (``open``) after ``eject_after_failures``
 consecutive failures — failed probes, or proxied requests that could not connect or got a 5xx before the first byte —
-turns ``half-open`` after ``readmit_after_s`` (routable again, on trial) and closes on the next probe or request
-success; a failure while half-open opens it again at once. For each model the pool fetches the tokenizer once from a
+turns ``half-open`` (routable again, on trial) on the first successful probe after ``readmit_after_s`` and closes on
+the next probe or request success; a failure while half-open opens it again at once. Every probe re-reads the
+worker's models. For each model the pool fetches the tokenizer once from a
 worker serving it (the engine's ``/get_tokenizer_files``; 404 means "no tokenizer": the extractor keeps character
 blocks) and hands it to the prefix-key extractor.
 """
@@ -106,7 +107,6 @@ class WorkerPool:
         self._pending_probes: set[asyncio.Task[None]] = set()
         self._routable_cache: dict[str | None, list[WorkerState]] = {}
         self._models_cache: frozenset[str] | None = None
-        self._half_open_at = float("inf")  # monotonic time the next open worker turns half-open
 
     # ------------------------------------------------------------------------------------------------ membership
     def sync(self, endpoints: dict[str, Endpoint]) -> None:
@@ -167,8 +167,6 @@ class WorkerPool:
     def routable(self, model: str | None) -> list[WorkerState]:
         """Workers that may take a request for ``model`` now (closed or half-open, serving it); ``None`` = any model.
         Cached until a state or membership change."""
-        if self._half_open_at <= time.monotonic():
-            self._refresh_half_open()
         cached = self._routable_cache.get(model)
         if cached is not None:
             return cached
@@ -191,27 +189,22 @@ class WorkerPool:
     def _half_open_due(self, w: WorkerState) -> bool:
         return w.state == "open" and time.monotonic() - w.opened_at >= self.args.readmit_after_s
 
-    def _refresh_half_open(self) -> None:
-        """Move open workers whose wait is over to half-open; note when the next one is due."""
-        nxt = float("inf")
-        for w in self.workers.values():
-            if w.state != "open":
-                continue
-            if self._half_open_due(w):
-                w.state = "half-open"
-                logger.info("worker %s half-open (on trial)", w.url)
-                self._changed()
-            else:
-                nxt = min(nxt, w.opened_at + self.args.readmit_after_s)
-        self._half_open_at = nxt
-
     def record_success(self, w: WorkerState) -> None:
-        """A probe or a proxied request reached ``w`` and got an answer that is not a 5xx."""
+        """A probe or a proxied request reached ``w`` and got an answer that is not a 5xx.
+
+        Re-admission goes through probes: an ejected (open) worker turns half-open (routable, on trial) only on a
+        successful probe after ``readmit_after_s`` — a probe that has just re-read its models (regression: a
+        time-based half-open sent trial traffic to a restarted engine under its old model list) — and closed on the
+        next success."""
         w.consecutive_failures = 0
         w.last_error = None
-        if w.state == "half-open" or (w.state == "open" and self._half_open_due(w)):
+        if w.state == "half-open":
             w.state = "closed"
             logger.info("worker %s re-admitted", w.url)
+            self._changed()
+        elif w.state == "open" and self._half_open_due(w):
+            w.state = "half-open"
+            logger.info("worker %s half-open (on trial)", w.url)
             self._changed()
 
     def record_failure(self, w: WorkerState, error: str) -> None:
@@ -221,7 +214,6 @@ class WorkerPool:
         if w.state == "half-open" or (w.state == "closed" and w.consecutive_failures >= self.args.eject_after_failures):
             w.state = "open"
             w.opened_at = time.monotonic()
-            self._half_open_at = min(self._half_open_at, w.opened_at + self.args.readmit_after_s)
             self.metrics.ejections.inc()
             logger.warning("worker %s ejected after %d consecutive failures (last: %s)", w.url,
                            w.consecutive_failures, error)
