@@ -337,6 +337,7 @@ def run_router(args: RouterArgs) -> int:
     import uvicorn
 
     _raise_file_limit()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
     app = create_app(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), backlog=8192,
                             access_log=False, timeout_graceful_shutdown=5, limit_concurrency=None)

@@ -115,11 +115,14 @@ class Proxy:
         child.inc()
 
     async def _error(self, send: Send, status: int, message: str, model: str, param: str | None = None,
-                     t0: float | None = None) -> None:
-        """Answer an OpenAI error body and count it (with its duration when ``t0``, the arrival time, is given)."""
+                     t0: float | None = None, worker: str | None = None) -> None:
+        """Answer an OpenAI error body and count it (with its duration when ``t0``, the arrival time, is given;
+        naming the engine at fault in ``x-radixserve-worker`` when ``worker`` is)."""
         body = json.dumps(error_body(message, status, param)).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [_JSON_CT, (b"content-length", str(len(body)).encode())]})
+        headers = [_JSON_CT, (b"content-length", str(len(body)).encode())]
+        if worker is not None:
+            headers.append((_H_WORKER, worker.encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self._count(model, status)
         if t0 is not None:
@@ -344,13 +347,13 @@ class _Relay:
             except httpx.TimeoutException as e:  # read/write/pool timeout: the request may be running; no retry
                 p.pool.record_failure(w, f"timeout: {type(e).__name__}")
                 await self._close()
-                await p._error(send, 504, f"the engine {w.url} did not answer in time", self.model)
+                await p._error(send, 504, f"the engine {w.url} did not answer in time", self.model, worker=w.url)
                 self.counted = True
                 return
             except httpx.HTTPError as e:
                 p.pool.record_failure(w, f"{type(e).__name__}: {e}")
                 await self._close()
-                await p._error(send, 502, f"the engine {w.url} failed: {type(e).__name__}", self.model)
+                await p._error(send, 502, f"the engine {w.url} failed: {type(e).__name__}", self.model, worker=w.url)
                 self.counted = True
                 return
             self.resp = resp
