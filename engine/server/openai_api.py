@@ -105,7 +105,8 @@ def response_format_schema(fmt: Any) -> str | None:
         js = fmt.get("json_schema")
         if not isinstance(js, dict):
             raise InvalidRequestError(
-                'response_format.json_schema must be an object {"name", "schema", "strict"}', "response_format.json_schema"
+                'response_format.json_schema must be an object {"name", "schema", "strict"}',
+                "response_format.json_schema",
             )
         schema = js.get("schema")
         if not isinstance(schema, dict):
@@ -113,7 +114,9 @@ def response_format_schema(fmt: Any) -> str | None:
                 "response_format.json_schema.schema must be a JSON schema object", "response_format.json_schema.schema"
             )
         if js.get("name") is not None and not isinstance(js["name"], str):
-            raise InvalidRequestError("response_format.json_schema.name must be a string", "response_format.json_schema.name")
+            raise InvalidRequestError(
+                "response_format.json_schema.name must be a string", "response_format.json_schema.name"
+            )
         if js.get("strict") is not None and not isinstance(js["strict"], bool):
             raise InvalidRequestError(
                 "response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict"
@@ -359,7 +362,9 @@ class OpenAIServing:
                 content: str | None = g.content
                 if g.calls or has_reasoning:
                     content = g.content.strip() or None
-                calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=nm, arguments=a)) for nm, a in g.calls or []]
+                calls = [
+                    ToolCall(id=new_call_id(), function=FunctionCall(name=nm, arguments=a)) for nm, a in g.calls or []
+                ]
                 choices.append(
                     ChatCompletionChoice(
                         index=i,
@@ -371,7 +376,8 @@ class OpenAIServing:
                         finish_reason="tool_calls" if calls else openai_finish_reason(st.finish_reason),
                     )
                 )
-            resp = ChatCompletionResponse(id=chat_id(rid), model=model, choices=choices, usage=usage_of(states, parsers))
+            usage = usage_of(states, parsers)
+            resp = ChatCompletionResponse(id=chat_id(rid), model=model, choices=choices, usage=usage)
             return JSONResponse(resp.model_dump())
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

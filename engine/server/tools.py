@@ -86,7 +86,8 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise InvalidRequestError(
-                f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}", f"{where}.function.name"
+                f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
+                f"{where}.function.name",
             )
         if name in seen:
             raise InvalidRequestError(f"duplicate tool name {name!r}", f"{where}.function.name")
