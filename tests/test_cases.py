@@ -3,8 +3,8 @@
 One real ``Engine`` (fp32, so greedy decoding is deterministic across batch shapes) behind uvicorn on a free port for
 the module; every test talks HTTP only (httpx for raw SSE lines, the official ``openai`` client elsewhere). After
 every test an autouse fixture waits for the engine to drain and checks that a plain greedy request is still served
-exactly as at the start. Cases 7-9 need constrained decoding, which does not exist yet: they must be refused with a
-400 "not supported", never run unconstrained.
+exactly as at the start. Cases 7-9 exercise constrained decoding (xgrammar): invalid grammars are HTTP 400s (also for
+streams), valid ones always parse / fully match.
 
 The engine runs at most 8 requests at once so case 10 can build a real queue with a handful of requests.
 """
@@ -469,49 +469,122 @@ def test_case6_boundary_prompts_are_served(url, tok):
 
 
 BAD_SCHEMAS = [
-    {"type": "object", "properties": {"foo": "bar"}},
-    {"type": "array", "items": 5},
-    {"$ref": "#/definitions/missing"},
+    ({"type": "object", "properties": {"foo": "bar"}}, "bar"),
+    ({"type": "array", "items": 5}, "items"),
+    ({"$ref": "#/definitions/missing"}, "definitions"),
+]
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def _person_format(schema: dict[str, Any] = PERSON) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+
+
+@pytest.mark.parametrize("schema, needle", BAD_SCHEMAS)
+def test_case7_invalid_json_schema_is_400_twice(url, schema, needle):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    hits = metric(url, "grammar_cache_hits_total")
+    for _ in range(2):  # the second one hits the grammar cache (failures are cached too)
+        r = post(url, "/v1/chat/completions", chat_body("Give me JSON.", max_tokens=8, response_format=fmt))
+        assert_error(r, 400, "invalid json_schema", needle)
+        r = post(url, "/v1/completions", {"prompt": "JSON:", "max_tokens": 8, "response_format": fmt})
+        assert_error(r, 400, "invalid json_schema", needle)
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                          json=chat_body("Give me JSON.", max_tokens=8, response_format=fmt, stream=True)) as s:
+            assert s.status_code == 400  # an HTTP error, not an SSE error event after a 200
+    assert metric(url, "grammar_cache_hits_total") >= hits + 5
+    # A valid schema right after is served, constrained.
+    r = post(url, "/v1/chat/completions", chat_body("Describe a person.", max_tokens=64,
+                                                    response_format=_person_format()))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    import jsonschema
+
+    jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
+CASE8_PROMPTS = [
+    "Describe a person.", "Invent a character for a novel.", "Who is the main character of your favourite book?",
+    "Make a table of three people with their names and ages.", "请用中文介绍一个人。", "Describe your grandmother.",
+    "Tell me about a famous scientist.", "Create a profile for a new employee.", "Describe a marathon winner.",
+    "Describe a teacher you remember.", "Invent a superhero.", "Describe a baby born today.",
+    "Give me a random user for a test database.", "Who is the oldest person you know of?",
+    "Describe a chef in Paris.", "Write about a pilot.", "Describe a child at school.",
+    "Tell me about an astronaut.", "Describe a retired footballer.", "Who is your neighbour?",
 ]
 
 
-@pytest.mark.parametrize("schema", BAD_SCHEMAS)
-def test_case7_json_schema_refused_not_ignored(url, schema):
-    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    for _ in range(2):  # the second one would hit a grammar cache
-        r = post(url, "/v1/chat/completions", chat_body("Give me JSON.", max_tokens=8, response_format=fmt))
-        assert_error(r, 400, "not supported")
-        r = post(url, "/v1/completions", {"prompt": "JSON:", "max_tokens": 8, "response_format": fmt})
-        assert_error(r, 400, "not supported")
-    valid = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
-    r = post(url, "/v1/chat/completions", chat_body("Give me JSON.", max_tokens=8, response_format=valid))
-    assert_error(r, 400, "not supported")  # until constrained decoding exists: refused, never unconstrained
+def test_case8_constrained_json_terminates_and_validates(url):
+    import jsonschema
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> dict[str, Any]:
+        r = await client.post(url + "/v1/chat/completions", json=chat_body(prompt, max_tokens=256,
+                                                                           response_format=_person_format()))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    async def go() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            return await asyncio.gather(*[one(client, p) for p in CASE8_PROMPTS])
+
+    before = metric(url, "num_constrained_requests_total")
+    bad = []
+    for prompt, choice in zip(CASE8_PROMPTS, asyncio.run(go())):
+        text = choice["message"]["content"]
+        if choice["finish_reason"] != "stop":
+            bad.append((prompt, choice["finish_reason"], text))
+            continue
+        jsonschema.validate(json.loads(text), PERSON)
+        assert not re.search(r"\s{2,}", text) and text == text.strip(), (prompt, text)  # no runaway whitespace
+    assert not bad, bad
+    assert metric(url, "num_constrained_requests_total") >= before + len(CASE8_PROMPTS)
+    # json_object and the native json_schema parse too.
+    r = post(url, "/v1/chat/completions", chat_body("Describe a car as JSON.", max_tokens=128,
+                                                    response_format={"type": "json_object"}))
+    assert r.status_code == 200, r.text
+    assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+    r = post(url, "/generate", {"text": "Person:", "sampling_params": {"json_schema": json.dumps(PERSON),
+                                                                       "temperature": 0, "max_new_tokens": 128}})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["text"]), PERSON)
 
 
-def test_case8_constrained_json_refused(url):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"]}
-    for fmt in ({"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}, {"type": "json_object"}):
-        r = post(url, "/v1/chat/completions", chat_body("Describe a person.", max_tokens=64, response_format=fmt))
-        assert_error(r, 400, "not supported")
-    r = post(url, "/generate", {"text": "Person:", "sampling_params": {"json_schema": json.dumps(schema)}})
-    assert_error(r, 400, "not supported")
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    r = post(url, "/v1/chat/completions", chat_body("Call f.", max_tokens=8, tools=tools))
-    assert_error(r, 400, "not supported")
+IPV4 = r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)"
 
 
-@pytest.mark.parametrize("regex", ["", r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)", r"(a+)\1"])
-def test_case9_regex_refused_quickly(url, regex):
+def test_case9_regex_edge_cases(url):
     t0 = time.monotonic()
-    r = post(url, "/generate", {"text": "IP address:", "sampling_params": {"regex": regex, "temperature": 0,
+    # Empty regex: only the empty string matches, so only eos is allowed: an empty completion, finish "stop".
+    r = post(url, "/generate", {"text": "IP address:", "sampling_params": {"regex": "", "temperature": 0,
                                                                          "max_new_tokens": 16}}, timeout=60)
-    assert_error(r, 400, "not supported")
-    r = post(url, "/v1/completions", {"prompt": "IP address:", "max_tokens": 16, "regex": regex}, timeout=60)
-    assert_error(r, 400, "not supported")
-    r = post(url, "/generate", {"text": "Grammar:", "sampling_params": {"ebnf": 'root ::= "a"'}}, timeout=60)
-    assert_error(r, 400, "not supported")
-    assert time.monotonic() - t0 < 30
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == "" and r.json()["meta_info"]["finish_reason"]["type"] == "stop"
+    r = post(url, "/v1/completions", {"prompt": "IP address:", "max_tokens": 16, "regex": ""}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "" and r.json()["choices"][0]["finish_reason"] == "stop"
+    # IPv4, greedy: the whole output matches.
+    r = post(url, "/generate", {"text": "The IP address of the local host is ",
+                                "sampling_params": {"regex": IPV4, "temperature": 0, "max_new_tokens": 24}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert re.fullmatch(IPV4, r.json()["text"]), r.json()["text"]
+    assert r.json()["meta_info"]["finish_reason"]["type"] == "stop"
+    r = post(url, "/v1/completions", {"prompt": "IP address:", "max_tokens": 24, "regex": IPV4, "temperature": 0},
+             timeout=60)
+    assert r.status_code == 200 and re.fullmatch(IPV4, r.json()["choices"][0]["text"]), r.text
+    # A backreference xgrammar cannot express: 400 naming it, twice (cached), streaming too.
+    for stream in (False, True, False):
+        r = post(url, "/generate", {"text": "x", "stream": stream, "sampling_params": {"regex": r"(a+)\1"}},
+                 timeout=60)
+        assert_error(r, 400, "Backreference")
+    r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 8, "regex": r"(a+)\1"}, timeout=60)
+    assert_error(r, 400, "Backreference")
+    # EBNF works.
+    r = post(url, "/generate", {"text": "Grammar:", "sampling_params": {"ebnf": 'root ::= "a" | "b"',
+                                                                      "temperature": 0}}, timeout=60)
+    assert r.status_code == 200 and r.json()["text"] in ("a", "b"), r.text
+    assert time.monotonic() - t0 < 120
 
 
 # ---------------------------------------------------------------------------------------------------------- case 10

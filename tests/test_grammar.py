@@ -62,6 +62,30 @@ def test_apply_token_bitmask_matches_unpacked_reference(batch, density, seed, vo
     assert torch.equal(logits, expected)
 
 
+def test_dense_bitmask_path_for_accelerators_matches_reference():
+    from radixserve.engine.sampling.sampler import _apply_token_bitmask_dense
+
+    g = torch.Generator().manual_seed(1)
+    allowed = torch.rand(3, WORDS * 32, generator=g) < 0.01
+    bitmask = torch.from_numpy(np.packbits(allowed.numpy(), axis=-1, bitorder="little").view(np.int32).copy())
+    logits = torch.randn(3, V - 3, generator=g)
+    expected = _reference_mask(logits, bitmask, [0, 2])
+    _apply_token_bitmask_dense(logits, bitmask, [0, 2])  # what CUDA runs, here on the CPU
+    assert torch.equal(logits, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_apply_token_bitmask_on_cuda():
+    g = torch.Generator().manual_seed(2)
+    allowed = torch.rand(2, WORDS * 32, generator=g) < 0.3
+    bitmask = torch.from_numpy(np.packbits(allowed.numpy(), axis=-1, bitorder="little").view(np.int32).copy())
+    logits = torch.randn(2, V, generator=g)
+    expected = _reference_mask(logits, bitmask, [1])
+    on_gpu = logits.cuda()
+    apply_token_bitmask(on_gpu, bitmask, [1])
+    assert torch.equal(on_gpu.cpu(), expected)
+
+
 def test_apply_token_bitmask_agrees_with_xgrammar():
     xgr = pytest.importorskip("xgrammar")
     g = torch.Generator().manual_seed(0)

@@ -340,11 +340,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
         return
     vocab = logits.shape[1]
     if logits.device.type != "cpu":
-        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        words = bitmask[rows].to(logits.device, non_blocking=True)
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]
-        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        _apply_token_bitmask_dense(logits, bitmask, rows)
         return
     if logits.dtype != torch.float32 or not logits.is_contiguous():
         raise ValueError(f"CPU logits must be contiguous float32, got {logits.dtype}")
@@ -364,3 +360,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
         else:
             ban = _set_bit_ids(~words)
             row[ban[ban < vocab]] = neg
+
+
+def _apply_token_bitmask_dense(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """``apply_token_bitmask`` for accelerators: unpack ``bitmask[rows]`` with bit shifts on ``logits.device`` (one
+    ``[len(rows), vocab]`` bool mask) and ``masked_fill_`` the banned tokens. Same arguments and layout."""
+    vocab = logits.shape[1]
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    words = bitmask[rows].to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
