@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import sys
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI
@@ -23,129 +22,22 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from radixserve import constants
-from radixserve.protocol import ModelCard, error_body, random_id
+from radixserve.edge import EdgeMiddleware
+from radixserve.edge import error_response as _error_response
+from radixserve.protocol import ModelCard, error_body
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.proxy import BODY_SCOPE_KEY, REQUEST_ID_SCOPE_KEY, Proxy
+from radixserve.router.proxy import Proxy
 from radixserve.router.workers import WorkerPool
 
 logger = logging.getLogger("radixserve.router")
 
 # Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key).
 _OPEN_PATHS = frozenset({"/health", constants.ROUTER_READY_PATH, "/metrics"})
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-_MAX_REQUEST_ID_LEN = 128
 _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-
-
-def _valid_request_id(value: str | None) -> bool:
-    """Whether a client's ``x-request-id`` can be used as is (printable ASCII, at most 128 chars; as the engine)."""
-    return bool(value) and len(value) <= _MAX_REQUEST_ID_LEN and all(33 <= ord(c) < 127 for c in value)
-
-
-def _error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
-
-
-class EdgeMiddleware:
-    """Pure-ASGI middleware at the edge (no ``BaseHTTPMiddleware``, so streams and disconnects pass through).
-
-    - ``x-request-id``: the client's (printable ASCII, ≤ 128 chars) or a fresh one; stored in the scope (the proxy
-      sends it upstream) and echoed on every response, replacing the engine's copy.
-    - API key: with ``api_key`` set, every path but ``/health``, ``/ready`` and ``/metrics`` needs
-      ``Authorization: Bearer <key>`` (401).
-    - Body limit: ``Content-Length`` or the body read over ``max_body_bytes`` → 413. The body is read here, stored
-      in the scope for the proxy and replayed to the app; after it ``receive`` passes through (disconnects seen).
-    - Unhandled exceptions → 500 with the OpenAI error body (logged, no traceback to the client).
-    """
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None,
-                 on_reply: Callable[[int], None] | None = None):
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-        self.expected_key = api_key.encode() if api_key is not None else None
-        self.on_reply = on_reply  # counts the 401/413/500 answered here (requests_total{model="unknown"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        incoming = auth = declared = None
-        for k, v in scope.get("headers", ()):
-            k = k.lower()
-            if k == b"x-request-id":
-                incoming = v.decode("latin-1")
-            elif k == b"authorization":
-                auth = v
-            elif k == b"content-length":
-                declared = v.decode("latin-1")
-        request_id = incoming if incoming is not None and _valid_request_id(incoming) else random_id()
-        scope[REQUEST_ID_SCOPE_KEY] = request_id
-        rid_header = (b"x-request-id", request_id.encode("latin-1"))
-        started = False
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                raw = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                raw.append(rid_header)
-                message = {**message, "headers": raw}
-            await send(message)
-
-        async def reply(status: int, message: str) -> None:
-            await _error_response(message, status)(scope, receive, send_with_id)
-            if self.on_reply is not None:
-                self.on_reply(status)
-
-        if self.expected_key is not None and scope.get("path") not in _OPEN_PATHS:
-            scheme, _, token = (auth or b"").partition(b" ")
-            # The auth scheme is case-insensitive (RFC 9110 §11.1): "bearer k" is as good as "Bearer k".
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected_key):
-                await reply(401, "invalid or missing API key (Authorization: Bearer <key>)")
-                return
-
-        app_receive = receive
-        if scope.get("method") in _BODY_METHODS:
-            limit = self.max_body_bytes
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                await reply(413, f"request body of {declared} bytes is over the limit of {limit} bytes")
-                return
-            chunks: list[bytes] = []
-            size = 0
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                if size > limit:
-                    await reply(413, f"request body is over the limit of {limit} bytes")
-                    return
-                if not message.get("more_body", False):
-                    break
-            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            scope[BODY_SCOPE_KEY] = body
-            replayed = False
-
-            async def app_receive() -> Message:
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()
-
-        try:
-            await self.app(scope, app_receive, send_with_id)
-        except Exception:
-            logger.exception("unhandled error on %s %s (request %s)", scope.get("method"), scope.get("path"),
-                             request_id)
-            if started:
-                raise  # the response is under way; let the server drop the connection
-            await reply(500, "internal server error")
 
 
 class _RouterApp(FastAPI):
@@ -251,7 +143,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         proxy._count("unknown", status)
 
     app.add_middleware(EdgeMiddleware, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key,
-                       on_reply=count_edge_reply)
+                       open_paths=_OPEN_PATHS, on_reply=count_edge_reply)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -265,7 +157,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         app.fast_routes[path] = proxy.endpoint(kind, path)
         app.router.routes.append(Route(path, app.fast_routes[path], methods=["POST"]))  # type: ignore[arg-type]
     app.fast_edge = EdgeMiddleware(app._dispatch_fast, max_body_bytes=args.max_request_body_bytes,
-                                   api_key=args.api_key, on_reply=count_edge_reply)
+                                   api_key=args.api_key, open_paths=_OPEN_PATHS, on_reply=count_edge_reply)
 
     def cards(model: str | None = None) -> list[dict[str, Any]]:
         seen: dict[str, dict[str, Any]] = {}

@@ -27,6 +27,7 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from radixserve import constants
+from radixserve.edge import BODY_SCOPE_KEY, REQUEST_ID_SCOPE_KEY
 from radixserve.protocol import error_body, random_id
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
@@ -37,8 +38,6 @@ logger = logging.getLogger("radixserve.router.proxy")
 
 Kind = Literal["chat", "completions", "generate"]
 
-REQUEST_ID_SCOPE_KEY = "radixserve.request_id"
-BODY_SCOPE_KEY = "radixserve.body"
 # Bodies over this many bytes are parsed and keyed in a worker thread, so one huge prompt cannot stall the loop.
 OFFLOAD_BODY_BYTES = 64 * 1024
 

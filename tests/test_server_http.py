@@ -104,6 +104,7 @@ def test_api_key(tokenizer):
     assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     ok = client.post("/v1/chat/completions", json={"messages": MSGS}, headers={"Authorization": "Bearer sekret"})
     assert ok.status_code == 200
+    assert client.get("/v1/models", headers={"Authorization": "bearer sekret"}).status_code == 200  # any case
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
 
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from radixserve import constants
 from radixserve.engine.io_struct import InvalidRequestError, ReqOutput, TokenLogprob
+from radixserve.edge import REQUEST_ID_SCOPE_KEY
 from radixserve.protocol import error_body, random_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -22,8 +22,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("radixserve.engine.server")
 
-REQUEST_ID_SCOPE_KEY = "radixserve.request_id"
-_MAX_REQUEST_ID_LEN = 128
 
 
 def encode_text(tokenizer: Any, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -34,16 +32,6 @@ def encode_text(tokenizer: Any, text: str, param: str, add_special_tokens: bool 
     except UnicodeEncodeError as e:
         raise InvalidRequestError(f"{param} is not valid Unicode: {e.reason} at position {e.start}", param) from e
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    """A JSON response with the OpenAI error body."""
-    return JSONResponse(error_body(message, status, param), status_code=status)
-
-
-def valid_request_id(value: str | None) -> bool:
-    """Whether a client-supplied ``x-request-id`` can be used as is (printable ASCII, at most 128 characters)."""
-    return bool(value) and len(value) <= _MAX_REQUEST_ID_LEN and all(33 <= ord(c) < 127 for c in value)
 
 
 class RidRegistry:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -21,16 +20,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixserve import constants
 from radixserve.engine.io_struct import InvalidRequestError
-from radixserve.engine.server.common import (
-    REQUEST_ID_SCOPE_KEY,
-    ServerContext,
-    error_response,
-    valid_request_id,
-)
+from radixserve.edge import EdgeMiddleware, error_response
+from radixserve.engine.server.common import ServerContext
 from radixserve.engine.server.generation import ClientDisconnected
 from radixserve.engine.server.native import NativeServing
 from radixserve.engine.server.openai_api import OpenAIServing
@@ -41,7 +35,6 @@ from radixserve.protocol import (
     ModelCard,
     ModelList,
     error_body,
-    random_id,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,91 +44,6 @@ logger = logging.getLogger("radixserve.engine.server")
 
 # Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key).
 _OPEN_PATHS = frozenset({constants.ENGINE_HEALTH_PATH, constants.ENGINE_HEALTH_GENERATE_PATH, "/metrics"})
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-
-
-class EdgeMiddleware:
-    """Pure-ASGI middleware at the edge of the app (no ``BaseHTTPMiddleware``, so streaming and disconnects pass).
-
-    - ``x-request-id``: the client's (if printable ASCII, ≤ 128 chars) or a fresh one; stored in the scope for the
-      handlers (it becomes the engine rid) and echoed on every response.
-    - API key: with ``api_key`` set, every path but health and metrics needs ``Authorization: Bearer <key>`` (401).
-    - Body limit: ``Content-Length`` or the body actually read over ``max_body_bytes`` → 413. The body is read here
-      and replayed to the app; after it, ``receive`` passes through so disconnects are still seen.
-    - Unhandled exceptions → 500 with the OpenAI error body (logged here, no traceback to the client).
-    """
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None):
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-        self.api_key = api_key
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        incoming = headers.get(constants.HEADER_REQUEST_ID)
-        request_id = incoming if incoming is not None and valid_request_id(incoming) else random_id()
-        scope[REQUEST_ID_SCOPE_KEY] = request_id
-        started = False
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                raw = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                raw.append((constants.HEADER_REQUEST_ID.encode(), request_id.encode("latin-1")))
-                message = {**message, "headers": raw}
-            await send(message)
-
-        async def reply(status: int, message: str) -> None:
-            await error_response(message, status)(scope, receive, send_with_id)
-
-        if self.api_key is not None and scope.get("path") not in _OPEN_PATHS:
-            auth = headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
-                await reply(401, "invalid or missing API key (Authorization: Bearer <key>)")
-                return
-
-        app_receive = receive
-        if scope.get("method") in _BODY_METHODS:
-            limit = self.max_body_bytes
-            declared = headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                await reply(413, f"request body of {declared} bytes is over the limit of {limit} bytes")
-                return
-            chunks: list[bytes] = []
-            size = 0
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                if size > limit:
-                    await reply(413, f"request body is over the limit of {limit} bytes")
-                    return
-                if not message.get("more_body", False):
-                    break
-            body = b"".join(chunks)
-            replayed = False
-
-            async def app_receive() -> Message:
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()
-
-        try:
-            await self.app(scope, app_receive, send_with_id)
-        except Exception:
-            logger.exception("unhandled error on %s %s (request %s)", scope.get("method"), scope.get("path"),
-                             request_id)
-            if started:
-                raise  # the response is under way; let the server drop the connection
-            await reply(500, "internal server error")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -178,7 +86,8 @@ def create_app(engine: "Engine", manage_engine: bool = True) -> FastAPI:
     app = FastAPI(title="radixserve engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     app.add_middleware(
-        EdgeMiddleware, max_body_bytes=engine.args.max_request_body_bytes, api_key=engine.args.api_key
+        EdgeMiddleware, max_body_bytes=engine.args.max_request_body_bytes, api_key=engine.args.api_key,
+        open_paths=_OPEN_PATHS
     )
 
     @app.exception_handler(RequestValidationError)
