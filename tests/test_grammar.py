@@ -549,3 +549,14 @@ def test_bound_schema_numbers_closes_one_sided_ranges_only():
     assert out["c"] == schema["properties"]["c"] and out["d"] == schema["properties"]["d"]
     assert out["e"] == schema["properties"]["e"] and out["f"] == schema["properties"]["f"]
     assert schema["properties"]["a"] == {"type": "integer", "minimum": 0}  # the input is not modified
+
+
+@requires_model
+def test_invalid_grammar_with_max_tokens_zero_is_still_400(url):
+    r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0,
+                                                                             "json_schema": '{"type": "strin"}'}},
+                   timeout=60)
+    assert r.status_code == 400 and "strin" in r.json()["message"], r.text
+    r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0, "regex": "a"}},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["text"] == ""

@@ -64,6 +64,10 @@ class GenerationGroup:
         """``max_new_tokens == 0``: answered here (finish "length", no tokens) without a forward pass."""
         if not self.engine.is_healthy():
             raise InvalidRequestError("the engine is not ready", None, status_code=503)
+        key = req.sampling_params.grammar_key()
+        backend = getattr(self.engine, "grammar_backend", None)
+        if key is not None and backend is not None:
+            await backend.get(*key)  # an invalid grammar is a 400 even when nothing would be generated
         for i in range(req.sampling_params.n):
             yield ReqOutput(
                 rid=req.rid, index=i, text="", token_ids=[], logprobs=[] if req.return_logprob else None,
