@@ -11,6 +11,11 @@ result is valid when it parses, validates with ``jsonschema`` against the schema
 
 Usage: ``.venv/bin/python bench/constrained.py [--dtype auto] [--tokens 48]``. The last line is
 ``{"overhead_frac_b1": .., "overhead_frac_b8": .., "validity": .., "n": ..}``.
+
+Measured (2 CPU cores, quiet machine, 48 tokens per request): fp32 ``{"overhead_frac_b1": 0.0085,
+"overhead_frac_b8": 0.0105, "validity": 1.0, "n": 24}`` (grammar 0.35 / 0.85 ms per step against 41 / 80 ms steps);
+default dtype (bf16) 0.0079 / 0.0142, validity 1.0. Under heavy load from other processes the forward slows far more
+than the (single-threaded) grammar work, so the fractions shrink (0.0014 / 0.0017 seen with 0.7 s steps).
 """
 
 from __future__ import annotations
