@@ -142,7 +142,7 @@ def test_openai_client_through_the_router(stack):
 def test_killed_engine_is_ejected_then_readmitted(stack):
     from openai import OpenAI
 
-    router, victim = stack["router"], stack["engines"][0]
+    router = stack["router"]
     client = OpenAI(base_url=router + "/v1", api_key="none", max_retries=0, timeout=120)
     failures: list[str] = []
     served_by: list[str] = []
@@ -164,15 +164,19 @@ def test_killed_engine_is_ejected_then_readmitted(stack):
     for t in threads:
         t.start()
     try:
-        time.sleep(3)
-        pids = _pids_with_arg(f"engine --host 127.0.0.1 --port {stack['base']} ")
+        _wait(lambda: len(served_by) >= 3, 120, "traffic through the router", stack["proc"])
+        # Kill the engine serving this traffic (these short prompts share one routing key, so one engine serves
+        # them while it is under the load bound): requests then fail over and passive failures eject it.
+        victim = served_by[-1]
+        survivor = next(e for e in stack["engines"] if e != victim)
+        pids = _pids_with_arg(f"engine --host 127.0.0.1 --port {victim.rsplit(':', 1)[1]} ")
         assert len(pids) == 1, pids
         os.kill(pids[0], signal.SIGKILL)
         killed_at = len(served_by)
         _wait(lambda: _workers(router)[victim]["state"] == "open", 60, "the dead engine ejected", stack["proc"])
         time.sleep(3)
         after_kill = served_by[killed_at:]
-        assert after_kill and all(w == stack["engines"][1] for w in after_kill[-3:])
+        assert after_kill and all(w == survivor for w in after_kill[-3:])
         # The supervisor restarts the engine; the router's health probe re-admits it.
         _wait(lambda: _workers(router)[victim]["state"] == "closed", 300, "the engine re-admitted", stack["proc"])
     finally:
