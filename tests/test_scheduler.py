@@ -173,6 +173,29 @@ def test_parallel_sampling_prefills_once(engine, prompts):
     assert_idle_accounting(engine)
 
 
+def test_neighbouring_seeds_do_not_share_samples(engine, prompts):
+    # Regression: each sample was seeded with seed + index, so sample i of seed 2 equalled sample i + 1 of seed 1.
+    one = run_all(engine, prompts[:1], n=3, temperature=1.0, seed=1, max_new_tokens=16)[0]
+    two = run_all(engine, prompts[:1], n=3, temperature=1.0, seed=2, max_new_tokens=16)[0]
+    samples_one = {tuple(r["ids"]) for r in one.values()}
+    samples_two = {tuple(r["ids"]) for r in two.values()}
+    assert len(samples_one) == 3 and len(samples_two) == 3
+    assert not samples_one & samples_two
+    again = run_all(engine, prompts[:1], n=3, temperature=1.0, seed=2, max_new_tokens=16)[0]
+    assert {i: r["ids"] for i, r in again.items()} == {i: r["ids"] for i, r in two.items()}  # still reproducible
+    assert_idle_accounting(engine)
+
+
+def test_sample_seeds_are_hashed_not_offset():
+    from radixserve.engine.scheduler.scheduler import sample_seed
+
+    seeds = [sample_seed(s, i) for s in range(-2, 50) for i in range(8)]
+    assert len(set(seeds)) == len(seeds)  # no (seed, index) pair shares another's stream
+    assert all(0 <= x < 2**64 for x in seeds)
+    assert sample_seed(1, 1) != sample_seed(2, 0)
+    assert sample_seed(7, 3) == sample_seed(7, 3)  # deterministic (no per-process hash salt)
+
+
 def test_abort_frees_every_slot(engine, prompts):
     async def go():
         req = GenerateRequest("to-abort", prompts[0], SamplingParams(max_new_tokens=500, temperature=0.0,

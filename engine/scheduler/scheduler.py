@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
 import logging
 import queue
 import threading
@@ -34,6 +35,18 @@ logger = logging.getLogger(__name__)
 DECODE_RESERVE_RATIO = 0.3
 # A single request never reserves more than this many decode tokens at admission.
 DECODE_RESERVE_CLIP = 256
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The torch seed of sample ``index`` of a request seeded with ``seed``: the first 8 bytes of
+    ``blake2b(f"{seed}:{index}")``, as an unsigned 64-bit integer.
+
+    A hash, not ``seed + index``: with the sum, sample ``i`` of seed ``s + 1`` repeated sample ``i + 1`` of seed ``s``.
+    Deterministic across runs and processes (no ``hash()``, which is salted per process), so the same seed and ``n``
+    give the same samples.
+    """
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 @dataclass
@@ -217,7 +230,7 @@ class Scheduler:
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
         if seed is None:
             return None
-        return torch.Generator(device=self.device).manual_seed((seed + index) % 2**64)
+        return torch.Generator(device=self.device).manual_seed(sample_seed(seed, index))
 
     def _process_control(self) -> None:
         while True:
