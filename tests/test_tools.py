@@ -117,6 +117,49 @@ def test_validate_tools_rejects(tools, needle):
     assert e.value.status_code == 400 and (needle in e.value.message or needle == e.value.param)
 
 
+ARRAY_PARAMS = {"type": "array", "items": {"type": "integer"}}  # the tester's input (finding 1)
+
+
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        (ARRAY_PARAMS, 'type "object"'),
+        ({"type": "foo"}, 'type "object"'),
+        ({"type": "object", "properties": {"a": {"type": "foo"}}}, "parameters.properties.a has an invalid type"),
+        ({"type": "object", "properties": {"a": {"type": ["string", "string"]}}}, "invalid type"),
+        ({"type": "object", "properties": []}, "properties must be an object"),
+        ({"type": "object", "required": "a"}, "required must be a list"),
+        ({"type": "object", "properties": {"a": {"anyOf": []}}}, "anyOf must be a non-empty list"),
+        ({"type": "object", "properties": {"a": {"type": "array", "items": 3}}}, "parameters.properties.a.items"),
+        ({"type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}}, "maxLength"),
+        ({"properties": {"a": {"type": "integer", "minimum": "0"}}}, "minimum must be a number"),
+        ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0}}}, "multipleOf"),
+        ({"type": "object", "$defs": {"d": {"enum": "x"}}}, "parameters.$defs.d enum"),
+    ],
+)
+def test_validate_tools_rejects_bad_parameter_schemas(params, needle):
+    # Regression (findings 1, 2): a non-object or invalid schema was accepted (caught only when a call was forced).
+    with pytest.raises(InvalidRequestError) as e:
+        validate_tools([NOARGS, {"type": "function", "function": {"name": "x", "parameters": params}}])
+    assert e.value.status_code == 400 and e.value.param == "tools[1].function.parameters"
+    assert needle in e.value.message, e.value.message
+
+
+def test_validate_tools_accepts_object_schemas_with_type_implied():
+    ok = [{}, {"properties": {"a": {"type": ["string", "null"]}}}, {"type": "object", "properties": {
+        "a": {"type": "array", "items": [{"type": "integer"}], "minItems": 1},
+        "b": {"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.5}, "c": {"$ref": "#/$defs/c"}},
+        "$defs": {"c": {"anyOf": [{"type": "string"}, True]}}}]
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": p}} for i, p in enumerate(ok)]
+    fns = validate_tools(tools)
+    assert [f["parameters"] for f in fns] == ok
+    # a schema without "type" constrains forced arguments to an object all the same
+    for fn in fns:
+        args = call_schema([fn], ToolChoice("required"))["properties"]["arguments"]
+        assert args["type"] == "object"
+        assert not jsonschema.Draft7Validator(args).is_valid([])  # draft 7: "items" may be a list
+
+
 def test_resolve_tool_choice():
     fns = validate_tools(TOOLS)
     assert resolve_tool_choice(fns, None) == ToolChoice("auto")
@@ -489,6 +532,96 @@ def test_forced_tool_choice_with_response_format_is_400(tokenizer):
     engine, client = make_client(tokenizer)
     r = chat(client, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     assert_error(r, 400, "one output constraint")
+
+
+# The tester's request (finding 1): answered 200 with the call as content and tool_calls null.
+ARRAY_TOOL = {"type": "function", "function": {"name": "x", "parameters": ARRAY_PARAMS}}
+FOO_TOOL = {"type": "function", "function": {"name": "x", "parameters": {"type": "foo"}}}
+
+
+@pytest.mark.parametrize("tool", [ARRAY_TOOL, FOO_TOOL])
+@pytest.mark.parametrize("tool_choice", ["required", "auto", "none", None,
+                                         {"type": "function", "function": {"name": "x"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_tool_parameters_are_400_in_every_mode(tokenizer, tool, tool_choice, stream):
+    # Regression (findings 1, 2): "required" with an array schema returned no call; {"type": "foo"} was accepted
+    # with "auto" and named json_schema (a field the client never sent) when forced.
+    engine, client = make_client(tokenizer)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 20, "stream": stream}
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    r = client.post("/v1/chat/completions", json=body)
+    assert assert_error(r, 400)["param"] == "tools[0].function.parameters"
+    assert engine.requests == []
+
+
+class _StubBackend:
+    """Grammar backend whose compile fails for schemas containing ``needle``."""
+
+    def __init__(self, needle: str):
+        self.needle, self.compiled = needle, []
+
+    async def get(self, kind, text):
+        self.compiled.append(text)
+        if self.needle in text:
+            raise InvalidRequestError("invalid json_schema: unsupported", "json_schema")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_call_grammar_error_names_the_tool(tokenizer, stream):
+    # Regression (finding 2): the engine's compile error of a forced call's schema named json_schema.
+    engine, client = make_client(tokenizer)
+    engine.fail_with = InvalidRequestError("invalid json_schema: Invalid range", "json_schema")
+    named = {"type": "function", "function": {"name": "add"}}
+    body = assert_error(chat(client, tools=TOOLS, tool_choice=named, stream=stream), 400)
+    assert body["param"] == "tools[1].function.parameters" and "Invalid range" in body["message"]
+    body = assert_error(chat(client, tools=[ADD], tool_choice="required", stream=stream), 400)
+    assert body["param"] == "tools[0].function.parameters"
+    # "required" over several tools: the one whose schema fails alone is named; none singled out: "tools"
+    body = assert_error(chat(client, tools=TOOLS, tool_choice="required", stream=stream), 400)
+    assert body["param"] == "tools"
+    engine.grammar_backend = _StubBackend('"const": "add"')
+    body = assert_error(chat(client, tools=TOOLS, tool_choice="required", stream=stream), 400)
+    assert body["param"] == "tools[1].function.parameters"
+    # other errors, and a response_format's grammar error, keep their labels
+    body = assert_error(chat(client, response_format={"type": "json_object"}, stream=stream), 400)
+    assert body["param"] == "json_schema"
+    engine.fail_with = InvalidRequestError("queue full", None, status_code=429)
+    assert_error(chat(client, tools=[ADD], tool_choice="required", stream=stream), 429)
+
+
+@pytest.fixture(scope="module")
+def grammar_backend(tokenizer):
+    from radixserve.engine.grammar.xgrammar_backend import GrammarBackend
+
+    backend = GrammarBackend(tokenizer, 49152, [2])
+    yield backend
+    backend.shutdown()
+
+
+@pytest.mark.parametrize("prop", [
+    {"type": "string", "pattern": "(a"},  # structurally fine, refused by the grammar compiler
+    {"type": "integer", "minimum": 5, "maximum": 1},
+])
+def test_forced_call_real_compile_error_names_the_tool(tokenizer, grammar_backend, prop):
+    engine, client = make_client(tokenizer)
+    engine.grammar_backend = grammar_backend
+    plain_generate = engine.generate
+
+    async def compiling_generate(req):  # as Engine.generate: the grammar is compiled before submission
+        key = req.sampling_params.grammar_key()
+        if key is not None:
+            await grammar_backend.get(*key)
+        async for out in plain_generate(req):
+            yield out
+
+    engine.generate = compiling_generate
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "properties": {"a": prop}}}}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "bad"}}):
+        body = assert_error(chat(client, tools=[WEATHER, bad], tool_choice=tool_choice), 400)
+        assert body["param"] == "tools[1].function.parameters", body
+    engine.set_outputs(["It is sunny."])
+    assert chat(client, tools=[WEATHER, bad], max_tokens=5).status_code == 200  # auto: nothing to compile
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ from radixserve.engine.server.reasoning import make_reasoning_stream
 from radixserve.engine.server.tools import (
     ChatOutputParser,
     ChoiceDelta,
+    ToolChoice,
     call_schema,
     new_call_id,
     resolve_tool_choice,
@@ -156,6 +157,48 @@ class PreflightGroup:
         self.head = []
         async for item in self._it:
             yield item
+
+    async def aclose(self) -> None:
+        await self.group.aclose()
+
+
+class ToolGrammarGroup:
+    """A forced tool call's group: a grammar compile error of the call schema (the engine's 400 naming
+    ``json_schema``, a field the client did not send) is re-raised naming ``tools[i].function.parameters``.
+
+    ``tool_params``: ``[(param, that tool's call schema as JSON text)]`` of the tools the call may use; with several
+    (``"required"``), the one that fails to compile alone is named (compiled through the engine's grammar backend,
+    whose cache holds the result), or ``tools`` when none can be singled out."""
+
+    def __init__(self, group: Any, engine: Any, tool_params: list[tuple[str, str]]):
+        self.group, self.engine, self.tool_params = group, engine, tool_params
+
+    async def _culprit(self) -> str:
+        if len(self.tool_params) == 1:
+            return self.tool_params[0][0]
+        backend = getattr(self.engine, "grammar_backend", None)
+        if backend is not None:
+            for param, text in self.tool_params:
+                try:
+                    await backend.get("json_schema", text)
+                except InvalidRequestError:
+                    return param
+        return "tools"
+
+    async def start(self) -> None:
+        try:
+            await self.group.start()
+        except InvalidRequestError as e:
+            if e.status_code != 400 or e.param != "json_schema":
+                raise
+            param = await self._culprit()
+            message = e.message.removeprefix("invalid json_schema: ")
+            raise InvalidRequestError(
+                f"{param} cannot be used for a forced tool call (tool_choice): {message}", param
+            ) from None
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, ReqOutput]]:
+        return self.group.__aiter__()
 
     async def aclose(self) -> None:
         await self.group.aclose()
@@ -325,6 +368,13 @@ class OpenAIServing:
             stream=req.stream, arrival_time=time.monotonic(),
         )
         group = self._group([greq], req.stream)
+        if choice.forced:
+            index = {f["name"]: i for i, f in enumerate(functions)}
+            used = [f for f in functions if choice.mode == "required" or f["name"] == choice.name]
+            group = ToolGrammarGroup(group, ctx.engine, [
+                (f"tools[{index[f['name']]}].function.parameters", json.dumps(call_schema([f], ToolChoice("required"))))
+                for f in used
+            ])
         n = req.n
         model = ctx.model_name
         with_reasoning = args.reasoning_parser is not None

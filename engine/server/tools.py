@@ -68,7 +68,8 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
     """Check ``tools`` and return the function definitions ``[{"name", "description"?, "parameters"?}]``.
 
     Raises ``InvalidRequestError`` (400, naming the field) unless ``tools`` is a list of ``{"type": "function",
-    "function": {"name": str, "description"?: str, "parameters"?: object}}`` with distinct valid names.
+    "function": {"name": str, "description"?: str, "parameters"?: object}}`` with distinct valid names, each
+    ``parameters`` an object-type JSON schema (``check_parameters``).
     """
     if tools is None:
         return []
@@ -95,10 +96,8 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
         if "description" in fn and fn["description"] is not None and not isinstance(fn["description"], str):
             raise InvalidRequestError(f"{where}.function.description must be a string", f"{where}.function.description")
         params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise InvalidRequestError(
-                f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters"
-            )
+        if params is not None:
+            check_parameters(params, f"{where}.function.parameters")
         out: dict[str, Any] = {"name": name}
         if fn.get("description") is not None:
             out["description"] = fn["description"]
@@ -106,6 +105,95 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
             out["parameters"] = params
         functions.append(out)
     return functions
+
+
+_TYPES = {"string", "number", "integer", "boolean", "object", "array", "null"}
+_SUBSCHEMA = ("additionalProperties", "additionalItems", "items", "not", "contains", "propertyNames", "if", "then",
+              "else", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+           "maxContains")
+_NUMBERS = ("minimum", "maximum", "multipleOf")
+
+
+def _check_schema(schema: Any, path: str, param: str) -> None:
+    """Structural JSON Schema check of ``schema`` at ``path`` (every keyword we know has the right JSON shape)."""
+
+    def bad(what: str) -> InvalidRequestError:
+        return InvalidRequestError(f"invalid schema in {param}: {path} {what}", param)
+
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise bad(f"must be a JSON schema (an object or a boolean), got {type(schema).__name__}")
+    typ = schema.get("type")
+    if typ is not None:
+        types = typ if isinstance(typ, list) else [typ]
+        if not types or not all(isinstance(t, str) and t in _TYPES for t in types) or len(set(types)) != len(types):
+            raise bad(f"has an invalid type {typ!r}; use one or a list of {sorted(_TYPES)}")
+    for key in _SUBSCHEMA:
+        if key in schema:
+            value = schema[key]
+            if key == "items" and isinstance(value, list):  # draft-04 tuple form
+                for j, sub in enumerate(value):
+                    _check_schema(sub, f"{path}.items[{j}]", param)
+            else:
+                _check_schema(value, f"{path}.{key}", param)
+    for key in _SCHEMA_LISTS:
+        if key in schema:
+            value = schema[key]
+            if not isinstance(value, list) or not value:
+                raise bad(f"{key} must be a non-empty list of schemas")
+            for j, sub in enumerate(value):
+                _check_schema(sub, f"{path}.{key}[{j}]", param)
+    for key in _SCHEMA_MAPS:
+        if key in schema:
+            value = schema[key]
+            if not isinstance(value, dict):
+                raise bad(f"{key} must be an object of schemas")
+            for name, sub in value.items():
+                _check_schema(sub, f"{path}.{key}.{name}", param)
+    if "required" in schema:
+        req = schema["required"]
+        if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+            raise bad("required must be a list of property names")
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        raise bad("enum must be a list")
+    if "pattern" in schema and not isinstance(schema["pattern"], str):
+        raise bad("pattern must be a string")
+    for key in _COUNTS:
+        if key in schema:
+            v = schema[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(f"{key} must be a non-negative integer, got {v!r}")
+    for key in _NUMBERS + ("exclusiveMinimum", "exclusiveMaximum"):
+        if key in schema:
+            v = schema[key]
+            ok_bool = key.startswith("exclusive")  # draft-04: a boolean modifier of minimum/maximum
+            if isinstance(v, bool) and not ok_bool or not isinstance(v, (int, float)):
+                raise bad(f"{key} must be a number, got {v!r}")
+    if "multipleOf" in schema and not schema["multipleOf"] > 0:
+        raise bad("multipleOf must be greater than 0")
+
+
+def check_parameters(params: Any, param: str) -> None:
+    """Check one tool's ``parameters``: a JSON schema of ``"type": "object"`` (OpenAI's rule: arguments are a JSON
+    object; ``type`` may be left out, the object type is then implied), structurally valid (known types, keywords
+    of the right JSON shape, recursively).
+
+    Raises ``InvalidRequestError`` (400, ``param``) otherwise. Checked in every ``tool_choice`` mode: a schema that
+    is only caught when a call is forced would be accepted or refused depending on the mode.
+    """
+    if not isinstance(params, dict):
+        raise InvalidRequestError(f"{param} must be a JSON schema object, got {type(params).__name__}", param)
+    if "type" in params and params["type"] != "object":
+        raise InvalidRequestError(
+            f'{param} must be a JSON schema of type "object" (the arguments are a JSON object), '
+            f"got type {params['type']!r}",
+            param,
+        )
+    _check_schema(params, "parameters", param)
 
 
 def resolve_tool_choice(functions: list[dict[str, Any]], tool_choice: Any, as_auto: bool = False) -> ToolChoice:
@@ -142,8 +230,11 @@ def resolve_tool_choice(functions: list[dict[str, Any]], tool_choice: Any, as_au
 
 
 def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
-    # OpenAI: omitted parameters = a function taking no arguments.
-    return fn.get("parameters") or {"type": "object", "properties": {}}
+    # OpenAI: omitted parameters = a function taking no arguments. A schema without "type" is an object schema
+    # (validate_tools refuses any other type): the type is made explicit so the constrained call's arguments are an
+    # object, which parse_forced_call requires.
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return params if "type" in params else {**params, "type": "object"}
 
 
 def _call_object(fn: dict[str, Any]) -> dict[str, Any]:
