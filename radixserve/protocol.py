@@ -130,6 +130,10 @@ class ChatCompletionRequest(_SamplingExtras):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated predecessors of tools / tool_choice: declared so the server refuses them (400) instead of
+    # ignoring them.
+    functions: Any = None
+    function_call: Any = None
 
 
 class ChatLogprobTop(BaseModel):

@@ -407,7 +407,8 @@ def test_render_with_template_tool_support(tool_tokenizer):
 
 
 def test_render_tool_message_with_non_text_parts_is_refused(tool_tokenizer):
-    messages = [*MSGS, {"role": "tool", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    messages = [*MSGS, {"role": "tool", "tool_call_id": "call_1",
+                                "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(InvalidRequestError, match="image"):
         render_prompt(tool_tokenizer, chat_req(messages), RenderOptions(flatten_tool_content=True))
 
@@ -683,6 +684,70 @@ def test_tool_conversation_through_the_template(tokenizer):
     assert "<|im_start|>tool\n3<|im_end|>" in text and '"arguments": {"a": 1, "b": 2}' in text
 
 
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+
+
+def _with_call(fn):
+    return [*MSGS, {"role": "assistant", "content": None, "tool_calls": [{**_CALL, "function": fn}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+
+
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([*MSGS, {"role": "assistant", "tool_calls": [_CALL]}, {"role": "tool", "content": "3"}],
+         "messages[2].tool_call_id"),
+        ([*MSGS, {"role": "assistant", "tool_calls": [_CALL]}, {"role": "tool", "tool_call_id": "call_1",
+                                                                 "content": None}], "messages[2].content"),
+        ([*MSGS, {"role": "assistant", "tool_calls": [_CALL]}, {"role": "tool", "tool_call_id": "call_1"}],
+         "messages[2].content"),
+        (_with_call({"name": "add"}), "messages[1].tool_calls[0].function.arguments"),
+        (_with_call({"arguments": "{}"}), "messages[1].tool_calls[0].function.name"),
+        (_with_call({"name": "", "arguments": "{}"}), "messages[1].tool_calls[0].function.name"),
+        (_with_call({"name": "add", "arguments": "{'a': 1}"}), "messages[1].tool_calls[0].function.arguments"),
+        (_with_call({"name": "add", "arguments": 3}), "messages[1].tool_calls[0].function.arguments"),
+        ([*MSGS, {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function"}]}],
+         "messages[1].tool_calls[0].function"),
+    ],
+)
+@pytest.mark.parametrize("tools", [TOOLS, None])
+def test_malformed_tool_messages_are_400(tokenizer, messages, param, tools):
+    # Regression (finding 3): OpenAI answers these with a 400; we answered 200.
+    engine, client = make_client(tokenizer)
+    r = client.post("/v1/chat/completions", json={"messages": messages, "tools": tools, "max_tokens": 2})
+    assert assert_error(r, 400)["param"] == param
+    assert engine.requests == []
+
+
+def test_well_formed_tool_messages_pass(tokenizer):
+    engine, client = make_client(tokenizer)
+    for fn in ({"name": "add", "arguments": '{"a": 1, "b": 2}'}, {"name": "add", "arguments": {"a": 1, "b": 2}},
+               {"name": "now", "arguments": "{}"}):
+        messages = _with_call(fn)
+        messages[-1]["content"] = ""  # empty (not null) content is a result
+        r = client.post("/v1/chat/completions", json={"messages": messages, "tools": [*TOOLS, NOARGS],
+                                                      "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "legacy",
+    [
+        {"functions": [WEATHER["function"]]},
+        {"functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}},
+        {"function_call": "auto"},
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_legacy_functions_fields_are_refused(tokenizer, legacy, stream):
+    # Regression (finding 3): the deprecated functions/function_call were silently ignored (a 200 without calls).
+    engine, client = make_client(tokenizer)
+    body = assert_error(chat(client, stream=stream, **legacy), 400)
+    first = "functions" if "functions" in legacy else "function_call"
+    assert body["param"] == first and ("use tools" in body["message"] or "use tool_choice" in body["message"])
+    assert engine.requests == []
+
+
 def test_openai_client_parses_tool_call_stream(tokenizer):
     import openai
 
@@ -745,7 +810,8 @@ def test_tool_choice_as_auto_switch(tokenizer):
 
 def test_flatten_tool_content_switch(tool_tokenizer):
     messages = [*MSGS, {"role": "assistant", "content": "ok"},
-                {"role": "tool", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+                {"role": "tool", "tool_call_id": "call_1",
+                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     for flatten in (False, True):
         engine, client = make_client(tool_tokenizer, flatten_tool_content=flatten)
         assert client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).status_code == 200

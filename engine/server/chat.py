@@ -122,12 +122,55 @@ def _arguments_object(call: Any) -> Any:
     return {**call, "function": fn}
 
 
+def check_tool_fields(message: ChatMessage, i: int) -> None:
+    """OpenAI's checks of a message's tool fields (each a 400 naming the field):
+
+    * a ``role: "tool"`` message needs ``tool_call_id`` (the call it answers) and non-null ``content``;
+    * each assistant ``tool_calls`` entry needs ``function.name`` (a non-empty string) and ``function.arguments``,
+      JSON text (a JSON object given as such is accepted too, as Hugging Face templates take it).
+    """
+    where = f"messages[{i}]"
+    if message.role == "tool":
+        if message.tool_call_id is None:
+            raise InvalidRequestError(
+                "a message with role 'tool' must have a 'tool_call_id' (the id of the call it answers)",
+                f"{where}.tool_call_id",
+            )
+        if message.content is None:
+            raise InvalidRequestError("a message with role 'tool' must have content (the call's result)",
+                                      f"{where}.content")
+    for j, call in enumerate(message.tool_calls or []):
+        param = f"{where}.tool_calls[{j}]"
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequestError("a tool call needs a 'function' object {\"name\", \"arguments\"}",
+                                      f"{param}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError("a tool call's function needs a 'name' string", f"{param}.function.name")
+        if "arguments" not in fn or fn["arguments"] is None:
+            raise InvalidRequestError("a tool call's function needs 'arguments' (JSON text)",
+                                      f"{param}.function.arguments")
+        args = fn["arguments"]
+        if isinstance(args, str):
+            try:
+                json.loads(args)
+            except ValueError as e:
+                raise InvalidRequestError(f"a tool call's arguments must be valid JSON text: {e}",
+                                          f"{param}.function.arguments") from None
+        elif not isinstance(args, dict):
+            raise InvalidRequestError(
+                f"a tool call's arguments must be JSON text, got {type(args).__name__}", f"{param}.function.arguments"
+            )
+
+
 def _message_dicts(req: ChatCompletionRequest, opts: RenderOptions, caps: TemplateCaps) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         if m.role not in _ROLES:
             raise InvalidRequestError(f"unknown role {m.role!r}", f"messages[{i}].role")
         role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for the system role
+        check_tool_fields(m, i)
         texts = _text_parts(m, i, opts.accept_bare_image_url)
         content: Any
         if texts is None:

@@ -331,6 +331,14 @@ class OpenAIServing:
         ctx = self.ctx
         args = ctx.engine.args
         self._check_common(req)
+        for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+            # OpenAI's deprecated fields answer with message.function_call / finish_reason "function_call", a shape
+            # this server does not produce: refused rather than ignored (or answered in the tool_calls shape, which
+            # a legacy client would not read).
+            if getattr(req, legacy) is not None:
+                raise InvalidRequestError(
+                    f"{legacy} (deprecated) is not supported; use {current} instead", legacy
+                )
         functions = validate_tools(req.tools)
         choice = resolve_tool_choice(functions, req.tool_choice, args.tool_choice_as_auto)
         k = 0
