@@ -65,16 +65,58 @@ class EngineArgs:
 # Flags with a fixed set of values (checked by argparse).
 _CHOICES = {"reasoning_parser": ["think"]}
 
+# One line of ``--help`` per EngineArgs field (argparse appends the default); a test checks every field has one.
+HELP: dict[str, str] = {
+    "model_path": "model directory (safetensors + tokenizer) or .gguf file",
+    "tokenizer_path": "tokenizer directory (default: --model-path)",
+    "served_model_name": "model name in the OpenAI API (default: the model directory's name)",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "dtype": "weight and activation dtype: auto, float32, bfloat16 or float16",
+    "device": "device: auto, cpu or cuda",
+    "context_length": "longest prompt + completion in tokens (default: the model's max_position_embeddings)",
+    "max_total_tokens": "KV cache pool size in tokens (default: from the memory budget)",
+    "max_running_requests": "most requests decoded in one batch",
+    "max_queued_requests": "most requests waiting; more are answered 429",
+    "max_prefill_tokens": "most prompt tokens prefilled in one forward pass",
+    "chunked_prefill_size": "prompt tokens per chunk of a long prefill",
+    "schedule_policy": "waiting-queue order: lpm (longest prefix match first) or fcfs",
+    "disable_radix_cache": "do not reuse cached prompt prefixes (the radix tree)",
+    "attention_backend": "attention kernels: auto, torch or flashinfer",
+    "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
+    "stream_interval": "tokens between streamed chunks",
+    "max_request_body_bytes": "largest request body in bytes; larger ones are answered 413",
+    "api_key": "require 'Authorization: Bearer KEY' on every request but health probes and metrics",
+    "log_level": "log level: debug, info, warning or error",
+    "warmup": "run a warmup forward pass before serving (--no-warmup: skip it)",
+    "preferred_sampling_params": "JSON object of sampling defaults for fields a request leaves unset, "
+                                 "e.g. '{\"temperature\": 0.2}'",
+    "default_chat_max_tokens": "compatibility: chat max_tokens when a request sends none (default: all the room "
+                               "left in the context)",
+    "tool_choice_as_auto": "compatibility: serve tool_choice 'required' or a named function as 'auto' (no "
+                           "constrained call)",
+    "flatten_tool_content": "compatibility: join a tool message's text parts into one string for the chat template",
+    "accept_bare_image_url": "compatibility: accept image_url given as a bare string (still refused by a text-only "
+                             "model)",
+    "stream_error_preflight": "compatibility: an engine abort on a stream's first output is an HTTP error, not an "
+                              "SSE error event",
+    "reasoning_parser": "move <think>...</think> text to reasoning_content (think); default: no parsing",
+}
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add every ``EngineArgs`` field as a ``--kebab-case`` flag."""
+    """Add every ``EngineArgs`` field as a ``--kebab-case`` flag with its ``HELP`` line.
+
+    A boolean that defaults to on (``warmup``) gets ``--no-...`` too, so it can be turned off."""
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
+        help_text = HELP[f.name] + (" (default: %(default)s)" if f.default is not None else "")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default)
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            parser.add_argument(flag, action=action, default=f.default, help=HELP[f.name])
         else:
             typ = int if "int" in str(f.type) else str
-            parser.add_argument(flag, type=typ, default=f.default, choices=_CHOICES.get(f.name))
+            parser.add_argument(flag, type=typ, default=f.default, choices=_CHOICES.get(f.name), help=help_text)
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

@@ -101,3 +101,28 @@ def test_up_with_a_busy_engine_port_exits_2_before_starting_engines(capsys):
         port = busy.getsockname()[1]
         assert main(["up", "--engines", "1", "--engine-base-port", str(port), "--port", "0"]) == 2
     assert f"port {port}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["engine", "up"])
+def test_every_engine_flag_has_help(command, capsys):
+    # Regression: `radixserve engine --help` listed every EngineArgs flag without a word of help.
+    import dataclasses
+
+    from radixserve.engine.config import EngineArgs
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    by_flag = {s: a for a in sub._actions for s in a.option_strings}
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text
+        assert (by_flag[flag].help or "").strip(), f"{flag} has no help"
+
+
+def test_warmup_can_be_turned_off():
+    # `--warmup` defaulted to on with store_true: there was no way to turn it off.
+    assert build_parser().parse_args(["engine"]).warmup is True
+    assert build_parser().parse_args(["engine", "--no-warmup"]).warmup is False
