@@ -41,9 +41,8 @@ def engine_argv(args: "EngineArgs", port: int, num_threads: int) -> list[str]:
         if f.name in _PER_ENGINE_FIELDS or value == getattr(defaults, f.name) or value is None:
             continue
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            if value:
-                argv.append(flag)
+        if isinstance(value, bool):  # differs from its default: --flag, or --no-flag for a default-on switch
+            argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
         else:
             argv += [flag, str(value)]
     return argv

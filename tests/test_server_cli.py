@@ -34,6 +34,9 @@ def test_up_forwards_engine_flags_and_splits_threads():
     assert flags.count("--port") == 1  # the router's public --port is not forwarded
     assert "--preferred-sampling-params" in flags  # `up`'s greedy default reaches the engines
     assert "--max-running-requests" not in flags  # defaults are left to the engine
+    assert "--no-warmup" not in flags and "--warmup" not in flags
+    ns = build_parser().parse_args(["up", "--no-warmup"])
+    assert "--no-warmup" in engine_argv(engine_args_from_namespace(ns), 30000, 1)  # a default-on switch turned off
     assert split_threads(2, 2) == 1 and split_threads(1, 2) == 1 and split_threads(16, 3) == 5
 
 
