@@ -342,11 +342,13 @@ def test_invalid_grammars_are_400_twice_and_the_engine_keeps_serving(engine):
 
 @requires_model
 def test_parallel_samples_each_follow_the_schema(engine):
-    out = run(engine, chat_ids(engine, "Describe a person."), json_schema=json.dumps(PERSON), n=3, temperature=1.0,
+    # Bounded name: at temperature 1 an unbounded string may run to max_new_tokens, which is not what this checks.
+    person = _obj({"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}})
+    out = run(engine, chat_ids(engine, "Describe a person."), json_schema=json.dumps(person), n=3, temperature=1.0,
               seed=11)
     assert sorted(out) == [0, 1, 2]
     for r in out.values():
-        assert_valid_json(r["text"], PERSON, r["finish"])
+        assert_valid_json(r["text"], person, r["finish"])
     assert len({r["text"] for r in out.values()}) > 1  # independent matchers, different samples
     assert_idle(engine)
 
@@ -560,3 +562,175 @@ def test_invalid_grammar_with_max_tokens_zero_is_still_400(url):
     r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0, "regex": "a"}},
                    timeout=60)
     assert r.status_code == 200 and r.json()["text"] == ""
+
+
+# ------------------------------------------------------------------------------------------------- compile queue
+
+# A heavy grammar: each pattern property costs ~0.15 s of compile on one core (the tester's had 302 of them, ~55 s).
+HEAVY_PROP = {"type": "string", "pattern": "[a-z]{1,200}@[a-z]{1,100}\\.[a-z]{2,50}"}
+
+
+def _heavy_schema(n: int, tag: str = "p") -> str:
+    return json.dumps({"type": "object", "properties": {f"{tag}{i}": HEAVY_PROP for i in range(n)},
+                       "required": [f"{tag}{i}" for i in range(n)]})
+
+
+def _backend(**kwargs: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    from radixserve.engine.grammar.xgrammar_backend import GrammarBackend
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    backend = GrammarBackend(tok, V, [2], **kwargs)
+    backend.get_sync("regex", "warm")  # the TokenizerInfo is built before any timing starts
+    return backend
+
+
+@requires_model
+def test_trivial_grammar_does_not_wait_behind_a_heavy_one_and_the_timeout_blames_only_its_own_compile():
+    # Regression: one compile worker; a trivial regex queued behind a heavy schema timed out on the heavy one's time
+    # ("took longer than 60 s to compile; simplify it").
+    backend = _backend(compile_timeout_s=1.0)
+    try:
+        heavy = _heavy_schema(40)  # several seconds of compile, far over the 1 s limit
+
+        async def go():
+            heavy_task = asyncio.create_task(backend.get("json_schema", heavy))
+            await asyncio.sleep(0.2)  # the heavy compile is running
+            small = await backend.get("regex", "yes|no|maybe301")
+            heavy_running = not heavy_task.done()
+            with pytest.raises(InvalidRequestError) as e:
+                await heavy_task
+            return small, heavy_running, e.value
+
+        small, heavy_running, err = asyncio.run(go())
+        assert small.kind == "regex" and heavy_running  # the trivial grammar finished while the heavy one compiled
+        assert err.status_code == 400 and err.param == "json_schema"
+        assert "too complex" in err.message and "1 s" in err.message and "own compile" in err.message
+        # The timeout failure is cached: the same schema is refused at once, without another compile.
+        fut = backend.future("json_schema", heavy)
+        assert fut.done() and isinstance(fut.exception(), InvalidRequestError)
+        with pytest.raises(InvalidRequestError, match="too complex"):
+            backend.get_sync("json_schema", heavy)
+    finally:
+        backend.shutdown()
+
+
+@requires_model
+def test_busy_workers_are_a_503_not_the_grammar_fault_and_abandoned_queued_compiles_are_cancelled():
+    backend = _backend(num_workers=1, queue_timeout_s=0.3, compile_timeout_s=120)
+    try:
+        async def go():
+            heavy = asyncio.create_task(backend.get("json_schema", _heavy_schema(15)))
+            await asyncio.sleep(0.2)
+            with pytest.raises(InvalidRequestError) as e:
+                await backend.get("regex", "yes|no")  # queued behind the heavy compile on the only worker
+            queued = asyncio.create_task(backend.get("json_schema", _heavy_schema(15, "q")))
+            await asyncio.sleep(0.1)
+            assert backend.num_pending() == 2  # the heavy compile + the queued one (the 503'd regex was cancelled)
+            queued.cancel()  # its only client left before its compile started
+            await asyncio.sleep(0.1)
+            pending_after_cancel = backend.num_pending()
+            heavy.cancel()  # a running compile cannot be interrupted; it still finishes and is cached
+            return e.value, pending_after_cancel
+
+        err, pending_after_cancel = asyncio.run(go())
+        assert err.status_code == 503 and "retry" in err.message and "busy" in err.message
+        assert pending_after_cancel == 1  # only the running heavy compile is left
+        assert ("regex", "yes|no") not in backend._cache  # a busy 503 is not cached as a failure
+        assert ("json_schema", _heavy_schema(15, "q")) not in backend._cache
+        g = backend.get_sync("json_schema", _heavy_schema(15))  # the abandoned running compile finished and is cached
+        assert g.kind == "json_schema" and backend.num_pending() == 0
+    finally:
+        backend.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------- unsupported schema
+
+STR = {"type": "string"}
+UNSUPPORTED_SCHEMAS = [
+    ({"not": STR}, "not", "#/not"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "items": STR, "uniqueItems": True}}},
+     "uniqueItems", "#/properties/tags/uniqueItems"),
+    ({"type": "array", "contains": STR}, "contains", "#/contains"),
+    ({"if": STR, "then": {"maxLength": 1}, "else": {"type": "integer"}}, "if", "#/if"),
+    ({"type": "object", "properties": {"a": {"allOf": [{"type": "integer"}, {"minimum": 5}]}}},
+     "allOf", "#/properties/a/allOf"),
+    ({"type": "object", "minProperties": 2}, "minProperties", "#/minProperties"),
+    ({"type": "object", "maxProperties": 1}, "maxProperties", "#/maxProperties"),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}}, "propertyNames", "#/propertyNames"),
+    ({"type": "object", "patternProperties": {"^a": {"type": "integer"}}}, "patternProperties", "#/patternProperties"),
+    ({"type": "object", "properties": {"a": STR, "b": STR}, "dependentRequired": {"a": ["b"]}},
+     "dependentRequired", "#/dependentRequired"),
+    ({"type": "object", "properties": {"a": STR}, "dependentSchemas": {"a": {"required": ["b"]}}},
+     "dependentSchemas", "#/dependentSchemas"),
+    ({"type": "object", "properties": {"a": STR}, "unevaluatedProperties": False},
+     "unevaluatedProperties", "#/unevaluatedProperties"),
+    ({"type": "array", "prefixItems": [STR], "unevaluatedItems": False}, "unevaluatedItems", "#/unevaluatedItems"),
+    ({"type": "object", "properties": {"a": STR}, "required": ["b"], "additionalProperties": False},
+     "required", "#/required"),
+    # nested in $defs, items, anyOf, oneOf, definitions
+    ({"$defs": {"x": {"not": STR}}, "$ref": "#/$defs/x"}, "not", "#/$defs/x/not"),
+    ({"type": "array", "items": {"type": "object", "minProperties": 1}}, "minProperties", "#/items/minProperties"),
+    ({"anyOf": [STR, {"type": "array", "uniqueItems": True}]}, "uniqueItems", "#/anyOf/1/uniqueItems"),
+    ({"oneOf": [{"type": "array", "contains": STR}]}, "contains", "#/oneOf/0/contains"),
+    ({"definitions": {"a/b": {"if": STR}}, "$ref": "#/definitions/a~1b"}, "if", "#/definitions/a~1b/if"),
+]
+
+
+@pytest.mark.parametrize("schema,keyword,pointer", UNSUPPORTED_SCHEMAS)
+def test_unsupported_schema_keywords_are_refused_with_their_path(schema, keyword, pointer):
+    from radixserve.engine.grammar.xgrammar_backend import check_schema_supported
+
+    with pytest.raises(InvalidRequestError) as e:
+        check_schema_supported(schema)
+    assert e.value.status_code == 400 and e.value.param == "json_schema"
+    assert repr(keyword) in e.value.message and f"at {pointer}:" in e.value.message, e.value.message
+
+
+SUPPORTED_SCHEMAS = [
+    ("Describe a person with a nested address.",
+     _obj({"name": S, "address": _obj({"city": S, "zip": {"type": "string", "pattern": "[0-9]{5}"}})})),
+    ("List two colors.", _obj({"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                          "minItems": 2, "maxItems": 2, "uniqueItems": False}})),
+    ("Give a point.", {"$defs": {"n": {"type": "integer", "minimum": -5, "maximum": 5}},
+                       **_obj({"x": {"$ref": "#/$defs/n"}, "y": {"$ref": "#/$defs/n"}})}),
+    ("Give an id or nothing.", _obj({"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99},
+                                                      {"type": "null"}]}})),
+    ("A value.", _obj({"v": {"oneOf": [{"const": "none"}, {"type": "boolean"}]}, "w": {"type": ["integer", "null"],
+                                                                                       "maximum": 9, "minimum": 0}})),
+    ("When and where?", _obj({"day": {"type": "string", "format": "date"}, "ip": {"type": "string", "format": "ipv4"},
+                              "id": {"type": "string", "format": "uuid"},
+                              "at": {"type": "string", "format": "date-time"}})),
+    ("A ratio.", _obj({"r": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                       "k": {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 30},
+                       "s": {"type": "string", "minLength": 2, "maxLength": 8}})),
+    ("A name.", {"allOf": [_obj({"name": S})]}),
+    ("A titled thing.", {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "urn:x", "title": "T",
+                         "description": "d", "examples": [{"a": 1}], "default": {"a": 1},
+                         **_obj({"a": {"type": "integer", "minimum": 0, "maximum": 9, "title": "A"}})}),
+]
+
+
+@requires_model
+def test_supported_schema_features_still_generate_valid_output(engine):
+    from radixserve.engine.grammar.xgrammar_backend import check_schema_supported
+
+    for _, schema in SUPPORTED_SCHEMAS:
+        check_schema_supported(schema)
+    jobs = [(chat_ids(engine, p), {"json_schema": json.dumps(s), "max_new_tokens": 200}) for p, s in SUPPORTED_SCHEMAS]
+    outs = run_many(engine, jobs)
+    for (_, schema), out in zip(SUPPORTED_SCHEMAS, outs):
+        assert_valid_json(out[0]["text"], schema, out[0]["finish"])
+    assert_idle(engine)
+
+
+@requires_model
+def test_unsupported_schema_is_an_http_400_naming_keyword_and_path(url):
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": STR, "uniqueItems": True}},
+              "required": ["tags"]}
+    for _ in range(2):  # the second from the failure cache
+        r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"json_schema": json.dumps(schema)}},
+                       timeout=60)
+        assert r.status_code == 400, r.text
+        assert "'uniqueItems'" in r.json()["message"] and "#/properties/tags" in r.json()["message"]
