@@ -43,8 +43,11 @@ def sample_seed(seed: int, index: int) -> int:
 
     A hash, not ``seed + index``: with the sum, sample ``i`` of seed ``s + 1`` repeated sample ``i + 1`` of seed ``s``.
     Deterministic across runs and processes (no ``hash()``, which is salted per process), so the same seed and ``n``
-    give the same samples.
+    give the same samples. Raises TypeError for a seed that is not an int (validation should have caught it; the
+    scheduler then fails that request alone).
     """
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
