@@ -259,34 +259,27 @@ class WorkerPool:
             r = await self.client.get(w.url + constants.ENGINE_HEALTH_PATH, timeout=timeout)
             if r.status_code != 200:
                 raise _ProbeError(f"/health answered {r.status_code}")
-            if w.state == "pending":
-                models, cards = await self._read_models(w, timeout)
-                # Admit the worker only once its model's prefix keys are settled: keys computed on character blocks
+            # Every probe re-reads the models: the URL may now be a new process (a restart, a reused pod IP)
+            # serving others (regression: the old list stayed; requests for it got the engine's 404).
+            models, cards = await self._read_models(w, timeout)
+            if models != w.models:
+                # Route on new models only once their prefix keys are settled: keys computed on character blocks
                 # before the tokenizer arrived would differ from later token-block keys, splitting a conversation's
                 # turns across workers (regression: turn 2 of a chat landed on the other engine).
                 for model in models:
                     await self._tokenizer_settled(model, w)
-                if w.removed or w.state != "pending":
+                if w.removed:
                     return
-                w.models = models
-                w.model_cards = cards
+                logger.info("worker %s serves %s", w.url, ", ".join(models))
+                w.models, w.model_cards = models, cards
+                self._changed()
+            if w.state == "pending":
                 w.state = "closed"
                 w.consecutive_failures = 0
                 w.last_error = None
-                logger.info("worker %s ready, serving %s", w.url, ", ".join(models))
+                logger.info("worker %s ready", w.url)
                 self._changed()
             else:
-                # Every probe re-reads the models: the URL may now be a new process (a restart, a reused pod IP)
-                # serving others (regression: the old list stayed; requests for it got the engine's 404).
-                models, cards = await self._read_models(w, timeout)
-                if models != w.models:
-                    for model in models:
-                        await self._tokenizer_settled(model, w)
-                    if w.removed:
-                        return
-                    logger.info("worker %s now serves %s", w.url, ", ".join(models))
-                    w.models, w.model_cards = models, cards
-                    self._changed()
                 self.record_success(w)
         except (httpx.HTTPError, _ProbeError, ValueError, KeyError, TypeError, AttributeError) as e:
             if w.removed:
