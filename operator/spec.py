@@ -1,0 +1,264 @@
+"""The InferenceService API (``radixserve.io/v1alpha1``): pydantic models that are the ONE source of truth.
+
+The CRD's ``openAPIV3Schema`` (crds/, charts/radixserve/crds/) is generated from these models by
+``radixserve.operator.crd``; a test fails when the YAML drifts from them. The operator parses every object it
+reconciles with ``InferenceService.model_validate`` so an object the API server accepted but that is still invalid
+(e.g. applied before the CRD was updated) becomes a Degraded condition with the pydantic message, nothing applied.
+
+Field names follow KServe where users know them (``storageUri``, ``minReplicas``/``maxReplicas``, ``status.url``,
+``Ready`` condition). Python attributes are snake_case; the wire format is camelCase (pydantic aliases).
+Units: token counts in tokens, durations in seconds, ``resources`` in Kubernetes quantities.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from radixserve import constants
+
+# A Kubernetes quantity ("500m", "2Gi", 1) or an int-or-string value ("25%", 1).
+IntOrString = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+
+STORAGE_SCHEMES = ("pvc", "hf", "file", "demo")
+STORAGE_URI_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^/@\s]+(@[^\s]+)?|file:///.*|demo://[a-z0-9][-a-z0-9.]*)$"
+DEMO_MODELS = (constants.DEMO_MODEL_NAME,)
+
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+ROUTER_POLICIES = ("prefix_hash", "least_load", "round_robin", "power_of_two")
+AUTOSCALING_METRICS = ("queue", "tokensInFlight")
+
+# Engine gauge an HPA averages per pod for each autoscaling metric (served by a Prometheus adapter through the
+# custom metrics API under the same name).
+AUTOSCALING_METRIC_NAMES = {
+    "queue": constants.ENGINE_METRIC_PREFIX + "num_queue_reqs",
+    "tokensInFlight": constants.ENGINE_METRIC_PREFIX + "num_used_tokens",
+}
+
+
+class _Model(BaseModel):
+    """Base: camelCase on the wire, unknown fields refused (the CRD is structural, so the API server prunes them)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def to_wire(self) -> dict[str, Any]:
+        """The object as the API server stores it: camelCase keys, unset optional fields omitted."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class ModelSpec(_Model):
+    """Which model the engines serve and where its weights come from."""
+
+    storage_uri: str = Field(
+        pattern=STORAGE_URI_PATTERN,
+        description=(
+            "Where the weights are: pvc://CLAIM/PATH (mounted read-only), hf://ORG/REPO[@REVISION] (fetched by an "
+            "init container), file:///PATH (baked into the image), or demo://smollm2-135m-instruct (the demo model "
+            "shipped with radixserve)."
+        ),
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="Model name in the OpenAI API (default: the demo model's name, else the InferenceService name).",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="Tokenizer directory path inside the engine container (default: the model's own).",
+    )
+    context_length: int | None = Field(default=None, ge=16, description="Longest prompt + completion in tokens.")
+    hf_token_secret: str | None = Field(
+        default=None,
+        description="Name of a Secret whose key HF_TOKEN is given to the hf:// fetch (private or gated repos).",
+    )
+
+    @property
+    def storage_scheme(self) -> str:
+        """The URI scheme: one of ``STORAGE_SCHEMES``."""
+        return self.storage_uri.split("://", 1)[0]
+
+
+class ResourceRequirements(_Model):
+    """Container resources in Kubernetes quantities, e.g. ``{"limits": {"nvidia.com/gpu": 1, "memory": "8Gi"}}``."""
+
+    requests: dict[str, IntOrString] | None = None
+    limits: dict[str, IntOrString] | None = None
+
+
+class EngineSpec(_Model):
+    """The engine pods: image, flags and resources."""
+
+    image: str | None = Field(default=None, description="Engine image (default: the operator's --image).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    args: list[str] = Field(default_factory=list, description="Extra `radixserve engine` flags, appended last.")
+    resources: ResourceRequirements | None = None
+    dtype: Literal[ENGINE_DTYPES] = "auto"  # type: ignore[valid-type]
+    kv_cache_tokens: int | None = Field(
+        default=None, ge=1, description="KV cache pool size in tokens (engine --max-total-tokens)."
+    )
+    schedule_policy: Literal[SCHEDULE_POLICIES] = "lpm"  # type: ignore[valid-type]
+    startup_timeout_seconds: int = Field(
+        default=1800, ge=60, description="Budget for download + weight load + warm-up before the pod is restarted."
+    )
+
+
+class AutoscalingSpec(_Model):
+    """An HPA scaling the InferenceService (its scale subresource) on engine saturation, not request counts."""
+
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(ge=1)
+    metric: Literal[AUTOSCALING_METRICS] = Field(  # type: ignore[valid-type]
+        default="queue",
+        description="queue: requests waiting per pod (num_queue_reqs); tokensInFlight: KV tokens in use per pod.",
+    )
+    target_per_pod: int = Field(ge=1, description="Target average of the metric per engine pod.")
+    scale_down_delay_seconds: int = Field(
+        default=300, ge=0, le=3600, description="Stabilization window before scaling down (seconds)."
+    )
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "AutoscalingSpec":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaling.minReplicas ({self.min_replicas}) must be <= maxReplicas ({self.max_replicas})"
+            )
+        return self
+
+
+class RouterSpec(_Model):
+    """The cache-aware router in front of the engines (one Deployment + Service per InferenceService)."""
+
+    policy: Literal[ROUTER_POLICIES] = "prefix_hash"  # type: ignore[valid-type]
+    prefix_blocks: int = Field(default=8, ge=1, le=256, description="Blocks hashed into the routing key (K).")
+    load_factor: float = Field(default=1.25, ge=1.0, le=100.0, description="Bounded-load cap x mean tokens in flight.")
+    replicas: int = Field(default=1, ge=0)
+    image: str | None = Field(default=None, description="Router image (default: the operator's --image).")
+    resources: ResourceRequirements | None = None
+    args: list[str] = Field(default_factory=list, description="Extra `radixserve router` flags, appended last.")
+
+
+class Toleration(_Model):
+    """A pod toleration (core/v1 Toleration)."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class PlacementSpec(_Model):
+    """Where engine pods run. ``affinity`` is a core/v1 Affinity, passed through unchanged."""
+
+    node_selector: dict[str, str] | None = None
+    tolerations: list[Toleration] | None = None
+    affinity: dict[str, Any] | None = Field(
+        default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    priority_class_name: str | None = None
+
+
+class DisruptionBudgetSpec(_Model):
+    """The engines' PodDisruptionBudget (on by default: a drain takes at most ``maxUnavailable`` engines at once)."""
+
+    enabled: bool = True
+    max_unavailable: IntOrString = 1
+
+
+class InferenceServiceSpec(_Model):
+    """``spec`` of an InferenceService. ``replicas`` is what ``kubectl scale`` and an HPA write (scale subresource)."""
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    replicas: int | None = Field(
+        default=None, ge=0, description="Engine pods (default: autoscaling.minReplicas, else 1)."
+    )
+    autoscaling: AutoscalingSpec | None = None
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    disruption_budget: DisruptionBudgetSpec = Field(default_factory=DisruptionBudgetSpec)
+
+    def desired_replicas(self) -> int:
+        """Engine replicas to run: ``replicas`` if set, else ``autoscaling.minReplicas``, else 1."""
+        if self.replicas is not None:
+            return self.replicas
+        return self.autoscaling.min_replicas if self.autoscaling else 1
+
+    def served_model_name(self, isvc_name: str) -> str:
+        """The OpenAI model name: spec'd, else the demo model's name for demo://, else the InferenceService name."""
+        if self.model.served_model_name:
+            return self.model.served_model_name
+        if self.model.storage_scheme == "demo":
+            return self.model.storage_uri.split("://", 1)[1]
+        return isvc_name
+
+
+ConditionType = Literal["Ready", "Progressing", "Degraded"]
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+
+
+class Condition(_Model):
+    """A status condition (metav1.Condition shape)."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class InferenceServiceStatus(_Model):
+    """``status``: written by the operator only (status subresource)."""
+
+    observed_generation: int | None = None
+    replicas: int | None = Field(default=None, description="Engine pods that exist (scale subresource).")
+    ready_replicas: int | None = None
+    selector: str | None = Field(default=None, description="Engine pod label selector (scale subresource).")
+    url: str | None = None
+    model_name: str | None = Field(default=None, description="The served model name (printer column).")
+    conditions: list[Condition] | None = None
+
+
+class ObjectMeta(_Model):
+    """The metadata fields the operator reads; everything else is ignored."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    name: str
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class InferenceService(_Model):
+    """A whole InferenceService object. ``InferenceService.model_validate(body)`` raises pydantic.ValidationError."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    api_version: str = f"{constants.API_GROUP}/{constants.API_VERSION}"
+    kind: str = constants.CRD_KIND
+    metadata: ObjectMeta
+    spec: InferenceServiceSpec
+    status: InferenceServiceStatus | None = None
+
+
+_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Longest InferenceService name whose derived names (NAME-router, NAME-engine) stay valid DNS-1035 Service names.
+MAX_NAME_LENGTH = 63 - len("-router")
+
+
+def check_name(name: str) -> None:
+    """Raise ValueError unless ``name`` gives valid child names (DNS-1035 label, <= 56 characters)."""
+    if not _NAME_RE.match(name) or len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"InferenceService name {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
+            "(lowercase letters, digits and '-', starting with a letter), so NAME-engine and NAME-router are valid"
+        )
