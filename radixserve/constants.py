@@ -124,3 +124,10 @@ ROUTER_HISTOGRAMS = ("request_duration_seconds", "ttft_seconds")
 # Engine endpoint serving its tokenizer's files (so routers key on token blocks without storing the model)
 ENGINE_TOKENIZER_FILES_PATH = "/get_tokenizer_files"
 ROUTER_READY_PATH = "/ready"
+
+# Kubernetes: image, paths inside it, operator
+IMAGE_REPOSITORY = "radixserve"  # one image runs engine, router and operator: radixserve:<version>
+DEMO_MODEL_IMAGE_DIR = "/opt/radixserve/models/" + DEMO_MODEL_NAME  # baked into the image; demo:// points here
+MODEL_MOUNT_PATH = "/mnt/models"  # pvc:// mounts and hf:// downloads land here in engine pods
+OPERATOR_METRICS_PORT = 8080  # the operator's /metrics and /healthz
+LABEL_SERVICE_NAME = "kubernetes.io/service-name"  # EndpointSlice -> Service (set by Kubernetes)

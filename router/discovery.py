@@ -23,7 +23,13 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 from urllib.parse import urlsplit
 
-from radixserve.constants import COMPONENT_ENGINE, HTTP_PORT_NAME, LABEL_COMPONENT, LABEL_INFERENCE_SERVICE
+from radixserve.constants import (
+    COMPONENT_ENGINE,
+    HTTP_PORT_NAME,
+    LABEL_COMPONENT,
+    LABEL_INFERENCE_SERVICE,
+    LABEL_SERVICE_NAME,
+)
 from radixserve.router.types import Endpoint
 
 if TYPE_CHECKING:  # kubernetes is imported lazily: a router with static URLs never needs it
@@ -45,7 +51,6 @@ logger = logging.getLogger(__name__)
 OnChange = Callable[[dict[str, Endpoint]], None]
 """Receives the full current endpoint set, ``url -> Endpoint`` (level-based: not a delta)."""
 
-LABEL_SERVICE_NAME = "kubernetes.io/service-name"  # set by the EndpointSlice controller on every slice it manages
 
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
