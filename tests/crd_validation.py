@@ -62,21 +62,21 @@ def _prune(value: Any, schema: dict[str, Any], parts: list[Any], pruned: list[st
     return value
 
 
-def _default(value: Any, schema: dict[str, Any]) -> None:
+def apply_defaults(value: Any, schema: dict[str, Any]) -> None:
     """Fill missing properties that have a schema default, in place (the API server defaults before validating)."""
     if isinstance(value, dict):
         for key, prop in (schema.get("properties") or {}).items():
             if key not in value and "default" in prop:
                 value[key] = copy.deepcopy(prop["default"])
             if key in value:
-                _default(value[key], prop)
+                apply_defaults(value[key], prop)
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict):
             for item in value.values():
-                _default(item, extra)
+                apply_defaults(item, extra)
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for item in value:
-            _default(item, schema["items"])
+            apply_defaults(item, schema["items"])
 
 
 def to_jsonschema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -166,13 +166,20 @@ def validate_custom_object(obj: dict[str, Any], crd: dict[str, Any]) -> list[str
     pruned: list[str] = []
     value = _prune(copy.deepcopy(obj), schema, [], pruned)
     errors += [f"{p}: unknown field, would be pruned by the API server" for p in pruned]
-    _default(value, schema)
+    apply_defaults(value, schema)
 
     validator = jsonschema.Draft4Validator(to_jsonschema(schema))
-    schema_errors = [
-        f"{_path(list(err.absolute_path))}: {err.message}"
-        for err in sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
-    ]
+    schema_errors: list[str] = []
+    for err in sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path]):
+        parts = list(err.absolute_path)
+        if err.validator == "required":
+            # Like the API server: name the missing field itself ("spec.autoscaling.maxReplicas: Required value").
+            for name in err.validator_value:
+                message = f"{_path([*parts, name])}: Required value"
+                if name not in err.instance and message not in schema_errors:
+                    schema_errors.append(message)
+        else:
+            schema_errors.append(f"{_path(parts)}: {err.message}")
     if schema_errors:
         # The API server skips CEL when the object has blocking (type) errors; this helper skips it on any.
         return errors + schema_errors
