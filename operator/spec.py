@@ -24,8 +24,12 @@ from radixserve import constants
 IntOrString = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
 
 STORAGE_SCHEMES = ("pvc", "hf", "file", "demo")
-STORAGE_URI_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^/@\s]+(@[^\s]+)?|file:///.*|demo://[a-z0-9][-a-z0-9.]*)$"
-DEMO_MODELS = (constants.DEMO_MODEL_NAME,)
+DEMO_MODELS = (constants.DEMO_MODEL_NAME,)  # demo://NAME: the models an image can bake in
+STORAGE_URI_PATTERN = (
+    r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^/@\s]+(@[^\s]+)?|file:///.*|demo://("
+    + "|".join(m.replace(".", r"\.") for m in DEMO_MODELS)
+    + "))$"
+)
 
 ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
