@@ -4,7 +4,8 @@
 ``radixserve router [flags]``   the cache-aware router (default 127.0.0.1:8000) in front of engines.
 ``radixserve up [flags]``       the local stack: the router on 127.0.0.1:8000 in front of --engines engine processes
                                 on 127.0.0.1:30000, 30001, ... serving the demo model (engine flags apply to each).
-``radixserve operator``         not implemented yet (issue 5).
+``radixserve operator [flags]`` the Kubernetes operator (kopf): reconciles InferenceServices
+                                (``radixserve.operator.main``; flags in ``add_operator_args``).
 
 Engine flags are ``EngineArgs`` fields in ``--kebab-case`` (``radixserve.engine.config.add_engine_args``); router flags
 are ``RouterArgs`` fields (``radixserve.router.config.add_router_args``).
@@ -23,7 +24,7 @@ from pathlib import Path
 from radixserve import constants
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
-_NOT_YET = {"operator": 5}  # subcommand -> the issue that builds it
+_NOT_YET: dict[str, int] = {}  # subcommand -> the issue that builds it
 
 
 def resolve_model_path(path: str) -> str:
@@ -61,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     # requests that set temperature still get what they ask for.
     p_up.set_defaults(host=constants.PUBLIC_HOST, port=constants.PUBLIC_PORT, model_path=constants.DEMO_MODEL_DIR,
                       preferred_sampling_params=constants.DEMO_MODEL_SAMPLING_DEFAULTS)
+    from radixserve.operator.main import add_operator_args
+
+    p_operator = sub.add_parser(
+        "operator", help="run the Kubernetes operator (reconciles radixserve.io InferenceServices)",
+        description="Run the kopf operator: watches InferenceServices (--namespace NS ... or --all-namespaces) and "
+        "keeps their engine/router children, autoscaler, disruption budget and status in step. Serves /metrics and "
+        "/healthz on --metrics-port (radixserve's own endpoint, not kopf's liveness probe). Credentials: the "
+        "in-cluster service account, else the kubeconfig.",
+    )
+    add_operator_args(p_operator)
     for name, issue in _NOT_YET.items():
         sub.add_parser(name, help=f"not implemented yet (issue {issue})")
     return parser
@@ -114,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ns.command in ("router", "up"):
         raise_open_files_limit()
+    if ns.command == "operator":
+        from radixserve.operator.main import config_from_namespace, main as run_operator
+
+        try:
+            config = config_from_namespace(ns)
+        except ValueError as e:
+            print(f"radixserve operator: {e}", file=sys.stderr)
+            return 2
+        return run_operator(config)
     try:
         if ns.command == "router":
             from radixserve.router.app import run_router

@@ -1,0 +1,330 @@
+"""The kopf handlers: one level-based reconcile of an InferenceService, run on every trigger.
+
+Triggers (``build_registry``), all ending in ``Reconciler.reconcile``:
+
+- ``@kopf.on.create / on.update / on.resume`` of ``radixserve.io/v1alpha1`` inferenceservices: a spec change
+  (including ``spec.replicas`` written through the scale subresource by ``kubectl scale`` or the HPA) or operator
+  start;
+- ``@kopf.timer`` every ``resync_seconds``: drift repair (a hand-edited or deleted child comes back) and status that
+  follows the pods even when no watch event was seen;
+- ``@kopf.on.event`` for every child kind labelled ``radixserve.io/inference-service``: a child changed or deleted by
+  someone else reconciles its owner within seconds. Events caused by the operator's own writes are recognised by
+  resourceVersion and skipped, and bursts are coalesced per InferenceService (at most one reconcile waiting while one
+  runs), so creating nine children does not cause nine more reconciles.
+
+A reconcile: parse (``InferenceService.model_validate``; a pydantic or render error -> status from
+``invalid_spec_status``, a Warning Event on the transition, nothing applied, no retry: an invalid spec is the user's to
+fix and kopf retrying it would only repeat the same message), render, apply each child (``apply.apply``), prune
+children no longer desired, read back the Deployments and the engine Service's EndpointSlices, and patch ``status``
+through the status subresource when it changed (``status.compute_status`` with the previous conditions). Events are
+posted on transitions only: children created or deleted, Ready gained or lost, Degraded raised (InvalidSpec included).
+
+Deletion: children carry ``ownerReferences`` (controller) to the InferenceService, so the garbage collector deletes
+them with it; the operator registers no on.delete handler. kopf itself puts ONE finalizer
+(``FINALIZER``) on each InferenceService because a ``@kopf.timer`` requires it (kopf stops the timer, then removes the
+finalizer; kopf/on.py: timers and daemons set ``requires_finalizer=True``). The consequence to know: while the
+operator is not running, deleting an InferenceService waits until it runs again (or the finalizer is removed by hand).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping
+
+import kopf
+import pydantic
+
+from radixserve import constants
+from radixserve.operator import apply as applier
+from radixserve.operator.apply import KubeApi
+from radixserve.operator.metrics import OperatorMetrics
+from radixserve.operator.render import CHILD_TYPES, ChildType, RenderOptions, render_children
+from radixserve.operator.spec import InferenceService, check_name
+from radixserve.operator.status import ObservedChildren, compute_status, invalid_spec_status
+
+__all__ = [
+    "INFERENCE_SERVICES",
+    "ENDPOINT_SLICES",
+    "FINALIZER",
+    "Reconciler",
+    "build_registry",
+    "configure_settings",
+    "format_validation_error",
+]
+
+INFERENCE_SERVICES = ChildType(f"{constants.API_GROUP}/{constants.API_VERSION}", constants.CRD_KIND,
+                               constants.CRD_PLURAL)
+ENDPOINT_SLICES = ChildType("discovery.k8s.io/v1", "EndpointSlice", "endpointslices")
+FINALIZER = f"{constants.API_GROUP}/kopf-finalizer"
+_TYPES_BY_KIND = {(t.api_version, t.kind): t for t in CHILD_TYPES}
+
+
+def format_validation_error(exc: pydantic.ValidationError) -> str:
+    """A one-line, user-facing message: ``spec.autoscaling: Value error, ...; spec.model.storageUri: ...``."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts)
+
+
+def _condition(conditions: list[dict] | None, type_: str) -> dict[str, Any]:
+    return next((c for c in conditions or [] if c.get("type") == type_), {})
+
+
+def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A kopf Body (a read-only mapping view) as plain nested dicts."""
+    def conv(v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {k: conv(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [conv(x) for x in v]
+        return v
+    return conv(body)
+
+
+@dataclass
+class _OwnerState:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: list[tuple[tuple[str, str, str], str | None]] = field(default_factory=list)
+    waiting: bool = False
+    # (plural, namespace, name) -> resourceVersion of each child as the operator last wrote or compared it.
+    seen: dict[tuple[str, str, str], str] = field(default_factory=dict)
+
+
+class Reconciler:
+    """Reconciles InferenceServices (module doc). Thread-safe: kopf runs these sync handlers in its thread pool; one
+    InferenceService is reconciled by one thread at a time.
+
+    ``api``: the REST client; ``options``: rendering defaults (image); ``metrics``: where reconciles are counted;
+    ``clock``: returns the current UTC time (condition timestamps).
+    """
+
+    def __init__(self, api: KubeApi, options: RenderOptions, metrics: OperatorMetrics,
+                 clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> None:
+        self.api = api
+        self.options = options
+        self.metrics = metrics
+        self.clock = clock
+        self._guard = threading.Lock()
+        self._owners: dict[tuple[str, str], _OwnerState] = {}
+
+    # --- bookkeeping ----------------------------------------------------------------------------------------------
+
+    def _owner(self, namespace: str, name: str) -> _OwnerState:
+        with self._guard:
+            state = self._owners.get((namespace, name))
+            if state is None:
+                state = self._owners[(namespace, name)] = _OwnerState()
+                self.metrics.managed.set(len(self._owners))
+            return state
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The InferenceService is gone: drop its state (and the managed gauge follows)."""
+        with self._guard:
+            self._owners.pop((namespace, name), None)
+            self.metrics.managed.set(len(self._owners))
+
+    def _remember(self, state: _OwnerState, rtype: ChildType, obj: dict[str, Any] | None) -> None:
+        meta = (obj or {}).get("metadata") or {}
+        if meta.get("resourceVersion"):
+            with self._guard:
+                state.seen[(rtype.plural, meta.get("namespace", ""), meta.get("name", ""))] = meta["resourceVersion"]
+
+    # --- triggers ---------------------------------------------------------------------------------------------------
+
+    def reconcile(self, body: Mapping[str, Any], kind: str, logger: logging.Logger | logging.LoggerAdapter) -> None:
+        """Reconcile one InferenceService ``body`` (trigger ``kind``: create, update, resume, timer, child). Raises
+        kopf.TemporaryError when the API server keeps failing (kopf retries change handlers)."""
+        meta = body.get("metadata") or {}
+        state = self._owner(meta.get("namespace", ""), meta["name"])
+        with state.lock:
+            self._reconcile_locked(state, _plain(body), kind, logger)
+
+    def child_changed(self, event_type: str | None, child: Mapping[str, Any],
+                      logger: logging.Logger | logging.LoggerAdapter) -> None:
+        """A labelled child was added, modified or deleted: reconcile its owner unless the event is one of the
+        operator's own writes. Events arriving while a reconcile of the same owner runs are coalesced."""
+        meta = child.get("metadata") or {}
+        owner_name = (meta.get("labels") or {}).get(constants.LABEL_INFERENCE_SERVICE)
+        namespace = meta.get("namespace", "")
+        if not owner_name or event_type is None:  # None: kopf's initial listing (on.resume covers startup)
+            return
+        kind = child.get("kind") or ""
+        rtype = next((t for t in CHILD_TYPES if t.kind == kind), None)
+        plural = rtype.plural if rtype else kind.lower() + "s"
+        key = (plural, namespace, meta.get("name", ""))
+        state = self._owner(namespace, owner_name)
+        with self._guard:
+            state.pending.append((key, meta.get("resourceVersion")))
+            if state.waiting:
+                return  # the reconcile already waiting will look at this event too
+            state.waiting = True
+        with state.lock:
+            with self._guard:
+                events, state.pending, state.waiting = state.pending, [], False
+                own = all(rv is not None and state.seen.get(k) == rv for k, rv in events)
+            if own:
+                return
+            isvc = self.api.call(f"get InferenceService {namespace}/{owner_name}", self.api.get,
+                                 INFERENCE_SERVICES, namespace, owner_name)
+            if isvc is None:
+                return  # the owner is gone; the garbage collector takes the child
+            logger.debug("child %s changed (%s): reconciling %s", key, event_type, owner_name)
+            self._reconcile_locked(state, isvc, "child", logger)
+
+    # --- the reconcile ----------------------------------------------------------------------------------------------
+
+    def _reconcile_locked(self, state: _OwnerState, body: dict[str, Any], kind: str,
+                          logger: logging.Logger | logging.LoggerAdapter) -> None:
+        start = time.perf_counter()
+        try:
+            result = self._reconcile(state, body, logger)
+        except Exception as exc:
+            reason = f"http_{exc.__cause__.status}" if getattr(exc.__cause__, "status", None) else type(exc).__name__
+            self.metrics.reconcile_errors.labels(kind=kind, reason=reason).inc()
+            self.metrics.reconciles.labels(kind=kind, result="error").inc()
+            raise
+        finally:
+            self.metrics.reconcile_duration.observe(time.perf_counter() - start)
+        self.metrics.reconciles.labels(kind=kind, result=result).inc()
+
+    def _reconcile(self, state: _OwnerState, body: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter) -> str:
+        meta = body["metadata"]
+        name, namespace = meta["name"], meta.get("namespace", "")
+        if meta.get("deletionTimestamp"):
+            return "success"  # going away: the garbage collector removes the children
+        previous = (body.get("status") or {}).get("conditions")
+        try:
+            check_name(name)
+            isvc = InferenceService.model_validate(body)
+            desired = render_children(isvc, self.options)
+        except pydantic.ValidationError as exc:
+            return self._invalid(body, format_validation_error(exc), previous, logger)
+        except ValueError as exc:
+            return self._invalid(body, str(exc), previous, logger)
+
+        owner_uid = meta.get("uid")
+        selector = {constants.LABEL_INFERENCE_SERVICE: name}
+        created: list[str] = []
+        deleted: list[str] = []
+        current: dict[tuple[str, str], dict[str, Any]] = {}
+        for rtype in CHILD_TYPES:
+            live = self.api.call(f"list {rtype.plural}", self.api.list, rtype, namespace, selector)
+            live_by_name = {o["metadata"]["name"]: o for o in live}
+            wanted = [c for c in desired if (c["apiVersion"], c["kind"]) == (rtype.api_version, rtype.kind)]
+            for child in wanted:
+                result = applier.apply(self.api, rtype, child, live_by_name.get(child["metadata"]["name"]))
+                self._remember(state, rtype, result.obj)
+                current[(rtype.kind, child["metadata"]["name"])] = result.obj
+                if result.action == "created":
+                    created.append(f"{rtype.kind}/{child['metadata']['name']}")
+                elif result.action == "patched":
+                    logger.info("patched %s/%s: %s", rtype.kind, child["metadata"]["name"],
+                                sorted(k for k in result.patch or {} if k != "metadata") or ["metadata"])
+            gone = applier.prune(self.api, rtype, owner_uid, {c["metadata"]["name"] for c in wanted}, live)
+            deleted += [f"{rtype.kind}/{n}" for n in gone]
+        if created:
+            kopf.info(body, reason="Created", message="created " + ", ".join(created))
+        if deleted:
+            kopf.info(body, reason="Deleted", message="deleted (no longer desired) " + ", ".join(deleted))
+
+        engine_svc = constants.engine_deployment_name(name)
+        slices = self.api.call(f"list endpointslices of {engine_svc}", self.api.list, ENDPOINT_SLICES, namespace,
+                               {constants.LABEL_SERVICE_NAME: engine_svc})
+        observed = ObservedChildren(
+            engine_deployment=current.get(("Deployment", constants.engine_deployment_name(name))),
+            router_deployment=current.get(("Deployment", constants.router_deployment_name(name))),
+            endpoint_slices=slices,
+        )
+        status = compute_status(isvc, observed, now=self.clock(), previous_conditions=previous)
+        self._write_status(body, status, logger)
+        return "success"
+
+    def _invalid(self, body: dict[str, Any], message: str, previous: list[dict] | None,
+                 logger: logging.Logger | logging.LoggerAdapter) -> str:
+        meta = body["metadata"]
+        logger.warning("invalid spec, nothing applied: %s", message)
+        status = invalid_spec_status(meta["name"], meta.get("namespace", ""), meta.get("generation"), message,
+                                     now=self.clock(), previous_conditions=previous)
+        self._write_status(body, status, logger)
+        return "invalid_spec"
+
+    def _write_status(self, body: dict[str, Any], status: dict[str, Any],
+                      logger: logging.Logger | logging.LoggerAdapter) -> None:
+        """Patch ``status`` (whole: fields no longer reported are removed) through the status subresource when it
+        differs from the object's, and post Events for the transitions."""
+        old = body.get("status") or {}
+        if status == old:
+            return
+        meta = body["metadata"]
+        patch = {"status": {**{k: None for k in old if k not in status}, **status}}
+        self.api.call(f"patch status of InferenceService {meta.get('namespace')}/{meta['name']}",
+                      self.api.merge_patch, INFERENCE_SERVICES, meta.get("namespace"), meta["name"], patch, "status")
+        before, after = old.get("conditions"), status.get("conditions")
+        was_ready = _condition(before, "Ready").get("status") == "True"
+        ready = _condition(after, "Ready")
+        if ready.get("status") == "True" and not was_ready:
+            kopf.info(body, reason="Ready", message=ready.get("message", ""))
+        elif was_ready and ready.get("status") != "True":
+            kopf.warn(body, reason="NotReady", message=f"{ready.get('reason')}: {ready.get('message', '')}")
+        degraded, was = _condition(after, "Degraded"), _condition(before, "Degraded")
+        if degraded.get("status") == "True" and (
+                was.get("status") != "True" or (was.get("reason"), was.get("message"))
+                != (degraded.get("reason"), degraded.get("message"))):
+            kopf.warn(body, reason=degraded.get("reason", "Degraded"), message=degraded.get("message", ""))
+        logger.debug("status: %s", {c["type"]: c["status"] for c in after or []})
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """kopf settings for this operator: progress and diff-base kept in annotations under radixserve.io (the CRD's
+    status is structural, so kopf's default ``status.kopf`` would be pruned by the API server), kopf's timer finalizer
+    named under radixserve.io, Events only from explicit kopf.info/warn calls (handler logs are not Events)."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=constants.API_GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.enabled = True
+    settings.posting.loggers = False
+    settings.posting.level = logging.INFO
+
+
+def build_registry(reconciler: Reconciler, resync_seconds: float,
+                   child_types: tuple[ChildType, ...] = CHILD_TYPES) -> kopf.OperatorRegistry:
+    """A kopf registry with this operator's handlers (module doc), bound to ``reconciler``; no global registry.
+    ``resync_seconds``: the timer's interval (also its initial delay: a new object was just reconciled)."""
+    registry = kopf.OperatorRegistry()
+    isvc = dict(group=constants.API_GROUP, version=constants.API_VERSION, plural=constants.CRD_PLURAL)
+
+    kopf.on.login(registry=registry)(kopf.login_via_client)
+
+    def on_change(body: kopf.Body, reason: str, logger: Any, **_: Any) -> None:
+        reconciler.reconcile(body, str(reason), logger)
+
+    for decorator in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        decorator(**isvc, id="reconcile", registry=registry)(on_change)
+
+    def resync(body: kopf.Body, logger: Any, **_: Any) -> None:
+        reconciler.reconcile(body, "timer", logger)
+
+    kopf.timer(**isvc, id="resync", interval=resync_seconds, initial_delay=resync_seconds,
+               registry=registry)(resync)
+
+    def on_isvc_event(event: Mapping[str, Any], name: str, namespace: str, **_: Any) -> None:
+        if event.get("type") == "DELETED":
+            reconciler.forget(namespace, name)
+
+    kopf.on.event(**isvc, id="forget", registry=registry)(on_isvc_event)
+
+    def on_child(event: Mapping[str, Any], body: kopf.Body, logger: Any, **_: Any) -> None:
+        reconciler.child_changed(event.get("type"), body, logger)
+
+    for rtype in child_types:
+        group, _, version = rtype.api_version.rpartition("/")
+        kopf.on.event(group=group, version=version, plural=rtype.plural, id=f"child-{rtype.plural}",
+                      labels={constants.LABEL_INFERENCE_SERVICE: kopf.PRESENT}, registry=registry)(on_child)
+    return registry
