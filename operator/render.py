@@ -50,6 +50,8 @@ __all__ = [
     "child_labels",
     "engine_selector",
     "config_map_name",
+    "engine_args",
+    "router_args",
     "render_children",
 ]
 

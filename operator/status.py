@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from radixserve import constants
 from radixserve.operator.render import engine_selector
 from radixserve.operator.spec import InferenceService
-from radixserve import constants
 
 __all__ = [
     "ObservedChildren",
@@ -252,14 +252,19 @@ def invalid_spec_status(
 ) -> dict:
     """The status of an InferenceService whose spec cannot be parsed or rendered (nothing is applied): Ready False,
     Progressing False and Degraded True, all with reason ``InvalidSpec``; Degraded's message is ``message`` (what is
-    wrong). Only observedGeneration and conditions are set: counts of children the operator did not touch are not
-    its to report."""
+    wrong). Set besides: observedGeneration, and selector and url (they follow from name and namespace alone, so
+    ``kubectl get`` and the scale subresource keep them); not replicas, readyReplicas or modelName, which only a
+    valid spec and its children tell."""
     conditions = [
         _condition("Ready", False, "InvalidSpec", "the spec is invalid; see the Degraded condition", generation),
         _condition("Progressing", False, "InvalidSpec", "nothing applied until the spec is fixed", generation),
         _condition("Degraded", True, "InvalidSpec", message, generation),
     ]
-    status: dict[str, Any] = {"conditions": _stamp(conditions, previous_conditions, now)}
+    status: dict[str, Any] = {
+        "selector": engine_selector(name),
+        "url": service_url(name, namespace or "default"),
+        "conditions": _stamp(conditions, previous_conditions, now),
+    }
     if generation is not None:
         status["observedGeneration"] = generation
     return status

@@ -214,8 +214,13 @@ def test_invalid_name_and_unknown_demo_model_raise_value_error() -> None:
         render_children(make_isvc(SPECS["demo"], name="x" * 60), OPTIONS)
     with pytest.raises(ValueError, match="DNS-1035"):
         render_children(make_isvc(SPECS["demo"], name="Upper"), OPTIONS)
+    # The API refuses an unknown demo model; render refuses it too for an object that skipped validation.
+    with pytest.raises(ValueError, match="storageUri"):
+        make_isvc({"model": {"storageUri": "demo://tinyllama"}})
+    isvc = make_isvc(SPECS["demo"])
+    isvc.spec.model.storage_uri = "demo://tinyllama"  # pydantic does not validate assignments here
     with pytest.raises(ValueError, match="unknown demo model 'tinyllama'"):
-        render_children(make_isvc({"model": {"storageUri": "demo://tinyllama"}}), OPTIONS)
+        render_children(isvc, OPTIONS)
 
 
 # --- the router meets the engines ------------------------------------------------------------------------------------

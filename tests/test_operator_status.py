@@ -373,6 +373,9 @@ def test_invalid_spec_status() -> None:
     assert conditions(status)["Degraded"]["message"] == message
     assert status["observedGeneration"] == 4
     assert "replicas" not in status and "readyReplicas" not in status  # not the operator's to claim
+    assert "modelName" not in status
+    assert status["selector"] == engine_selector(NAME)
+    assert status["url"] == f"http://{constants.router_service_name(NAME)}.{NS}.svc.cluster.local"
     # Was Ready before: Ready flips (new time); still Degraded/InvalidSpec later: time kept.
     before = compute_status(make_isvc(replicas=1), healthy(make_isvc(replicas=1), engines=1), now=NOW)
     broken = invalid_spec_status(NAME, NS, 5, message, now=LATER, previous_conditions=before["conditions"])
