@@ -452,7 +452,8 @@ def test_gpu_resources_and_placement_reach_the_engine_pod_as_given() -> None:
     assert e.dtype == "bfloat16" and e.max_total_tokens == 200000
     # Placement is the engines'; the router pod is placed freely.
     router = get(render_children(make_isvc(spec), OPTIONS), "Deployment", constants.router_deployment_name("llm"))
-    assert not {"nodeSelector", "tolerations", "affinity", "priorityClassName"} & router["spec"]["template"]["spec"].keys()
+    router_pod = router["spec"]["template"]["spec"]
+    assert not {"nodeSelector", "tolerations", "affinity", "priorityClassName"} & router_pod.keys()
 
 
 # --- pod shape ------------------------------------------------------------------------------------------------------

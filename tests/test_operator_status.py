@@ -9,7 +9,6 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import kubernetes_validate
-import pytest
 
 from radixserve import constants
 from radixserve.operator.render import RenderOptions, engine_selector, render_children
