@@ -286,7 +286,7 @@ def test_kind_script_agrees_with_the_contracts_and_the_repo():
     assert constants.router_deployment_name("${NAME}") in text
     assert constants.router_service_name("$NAME") == "$NAME" and '"svc/$NAME"' in text
     assert f"crd/{constants.CRD_PLURAL}.{constants.API_GROUP}" in text
-    assert f"risvc/$NAME" in text and constants.CRD_SHORT_NAME == "risvc"
+    assert "risvc/$NAME" in text and constants.CRD_SHORT_NAME == "risvc"
     for path in (script_default("CHART"), script_default("SAMPLE"), "Dockerfile", "pyproject.toml"):
         assert (ROOT / path).exists(), f"e2e/kind.sh refers to {path}, which is not in the repository"
     sample = yaml.safe_load((ROOT / script_default("SAMPLE")).read_text())
