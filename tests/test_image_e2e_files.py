@@ -226,9 +226,6 @@ def test_every_path_the_dockerfiles_copy_is_in_the_build_context(name):
             assert not dockerignored(f.relative_to(ROOT).as_posix(), pats), f"{f} is excluded by .dockerignore"
 
 
-@pytest.mark.xfail(strict=True, reason="pyproject.toml's packages.find only finds radixserve/*: `pip install .` "
-                   "ships no radixserve.engine/router/operator (fix: list the packages under [tool.setuptools]); "
-                   "remove this marker with the fix")
 def test_pip_install_dot_ships_engine_router_and_operator(tmp_path):
     # The images run `pip install .` (not editable): the wheel must hold every radixserve.* package, including the
     # ones whose sources live in the top-level folders engine/, router/, operator/. Built from a copy of what the
