@@ -94,11 +94,11 @@ def load_kube_client() -> Any:
 
 
 async def run_operator(config: OperatorConfig, *, api_client: Any = None, stop_flag: Any = None,
-                       ready_flag: asyncio.Event | None = None, metrics: Any = None) -> None:
+                       ready_flag: Any = None, metrics: Any = None) -> None:
     """Run kopf with this operator's handlers until ``stop_flag`` (asyncio.Event/Future) is set or SIGTERM/SIGINT.
 
-    ``api_client``: the reconciler's kubernetes ApiClient (default ``load_kube_client()``); ``ready_flag`` is set
-    when kopf has started (it also gates /healthz); ``metrics``: an ``OperatorMetrics`` to read the counters (tests).
+    ``api_client``: the reconciler's kubernetes ApiClient (default ``load_kube_client()``); ``ready_flag`` (an
+    asyncio or threading Event) is set when kopf has started (it also gates /healthz); ``metrics``: an ``OperatorMetrics`` to read the counters (tests).
     """
     # Imported here: `radixserve --help` and the other subcommands need not import kopf.
     import kopf

@@ -15,9 +15,8 @@ that runs kopf answers; 503 before. A wedged event loop fails the probe because 
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -52,7 +51,7 @@ class OperatorMetrics:
         return generate_latest(self.registry)
 
 
-def _app(metrics: OperatorMetrics, ready: asyncio.Event) -> web.Application:
+def _app(metrics: OperatorMetrics, ready: Any) -> web.Application:
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -68,9 +67,9 @@ def _app(metrics: OperatorMetrics, ready: asyncio.Event) -> web.Application:
 
 
 @asynccontextmanager
-async def serve(metrics: OperatorMetrics, ready: asyncio.Event, host: str = "0.0.0.0",
+async def serve(metrics: OperatorMetrics, ready: Any, host: str = "0.0.0.0",
                 port: int = constants.OPERATOR_METRICS_PORT) -> AsyncIterator[int]:
-    """Serve /metrics and /healthz on ``host:port`` (aiohttp, in the running event loop) for the duration of the
+    """Serve /metrics and /healthz on ``host:port`` (``ready``: an asyncio or threading Event, gates /healthz) (aiohttp, in the running event loop) for the duration of the
     ``async with``; yields the bound port (useful with ``port=0``). Raises OSError if the port is taken."""
     runner = web.AppRunner(_app(metrics, ready), access_log=None)
     await runner.setup()

@@ -1,0 +1,446 @@
+"""The operator for real: kopf runs in-process (``run_operator``) against the API server emulator over HTTP
+(tests/k8s_emulator.py, tests/operator_scenario.py) and reconciles InferenceServices written over HTTP.
+
+What the emulator cannot show (it has no controllers, garbage collection, admission or scale semantics): Deployment
+status here is what the TEST writes into it (no Deployment controller runs), children of a deleted InferenceService
+are not garbage-collected, the CRD's schema/CEL rules are not enforced (invalid specs are written straight past
+them, which is exactly what the operator's own validation must catch), and the /scale write is applied as a merge
+into ``spec.replicas`` (the CRD's specReplicasPath), not by a real scale subresource.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from k8s_emulator import k8s  # noqa: F401 - pytest fixture
+from operator_scenario import (
+    NS,
+    OperatorHarness,
+    api_calls,
+    child_path,
+    isvc_body,
+    isvc_path,
+    representative_api_calls,
+    until,
+    writes,
+)
+from radixserve import constants
+from radixserve.operator.render import CHILD_TYPES, engine_selector
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+NAME = "demo"
+ENGINE = constants.engine_deployment_name(NAME)
+ROUTER = constants.router_deployment_name(NAME)
+ENGINE_DEP = child_path("apps/v1", "deployments", ENGINE)
+ROUTER_DEP = child_path("apps/v1", "deployments", ROUTER)
+ROUTER_SVC = child_path("v1", "services", constants.router_service_name(NAME))
+ENGINE_SVC = child_path("v1", "services", ENGINE)
+CONFIG = child_path("v1", "configmaps", f"{NAME}-config")
+PDB = child_path("policy/v1", "poddisruptionbudgets", ENGINE)
+HPA = child_path("autoscaling/v2", "horizontalpodautoscalers", NAME)
+EXPECTED_CHILDREN = {
+    ("ConfigMap", f"{NAME}-config"), ("ServiceAccount", ROUTER), ("Role", ROUTER), ("RoleBinding", ROUTER),
+    ("Service", ENGINE), ("Service", NAME), ("Deployment", ENGINE), ("Deployment", ROUTER),
+    ("PodDisruptionBudget", ENGINE),
+}
+
+
+@pytest_asyncio.fixture
+async def harness(k8s):  # noqa: F811
+    emulator, api = k8s
+    h = OperatorHarness(emulator, api)
+    try:
+        yield h
+    finally:
+        await h.stop()
+
+
+async def children(h: OperatorHarness, name: str = NAME) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every live child of ``name`` (by the InferenceService label), keyed by (kind, name)."""
+    found = {}
+    for t in CHILD_TYPES:
+        for obj in (await h.get(child_path(t.api_version, t.plural)) or {}).get("items") or []:
+            if (obj["metadata"].get("labels") or {}).get(constants.LABEL_INFERENCE_SERVICE) == name:
+                found[(t.kind, obj["metadata"]["name"])] = obj
+    return found
+
+
+def container(dep: dict[str, Any]) -> dict[str, Any]:
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+async def created(h: OperatorHarness, name: str = NAME, spec: dict | None = None) -> dict[str, Any]:
+    """Create ``name`` and wait until its status is written; the object then."""
+    await h.create(isvc_path(), isvc_body(name, spec))
+    return await until(lambda: _with_status(h, name), what=f"{name} status")
+
+
+async def _with_status(h: OperatorHarness, name: str) -> dict[str, Any] | None:
+    obj = await h.isvc(name)
+    return obj if obj and (obj.get("status") or {}).get("conditions") else None
+
+
+async def settled(h: OperatorHarness, quiet_s: float = 1.0) -> None:
+    """Wait until the request log has had no writes for ``quiet_s`` (watches and reads do not count)."""
+    async def quiet() -> bool:
+        before = len([r for r in h.requests() if r.method != "GET"])
+        await asyncio.sleep(quiet_s)
+        return len([r for r in h.requests() if r.method != "GET"]) == before
+    await until(quiet, timeout=30, what="no more writes")
+
+
+# --- create -----------------------------------------------------------------------------------------------------
+
+
+async def test_create_makes_every_child_with_owner_refs_labels_status_events_and_metrics(harness):
+    h = harness
+    await h.start(metrics=True)
+    isvc = await created(h)
+    await settled(h)
+    uid = isvc["metadata"]["uid"]
+
+    kids = await children(h)
+    assert set(kids) == EXPECTED_CHILDREN
+    for (kind, name), obj in kids.items():
+        refs = obj["metadata"]["ownerReferences"]
+        assert refs == [{"apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}", "kind": constants.CRD_KIND,
+                         "name": NAME, "uid": uid, "controller": True, "blockOwnerDeletion": True}], (kind, name)
+        labels = obj["metadata"]["labels"]
+        assert labels[constants.LABEL_INFERENCE_SERVICE] == NAME and labels[constants.LABEL_NAME] == "radixserve"
+        assert labels[constants.LABEL_COMPONENT] in (constants.COMPONENT_ENGINE, constants.COMPONENT_ROUTER)
+    assert kids[("Deployment", ENGINE)]["spec"]["replicas"] == 1
+    assert container(kids[("Deployment", ENGINE)])["image"] == "radixserve:test"  # the operator's --image
+
+    status = isvc["status"]
+    assert status["observedGeneration"] == isvc["metadata"]["generation"] == 1
+    assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded"}
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "EnginesNotReady"  # no controller makes pods here
+    assert status["url"] == f"http://{NAME}.{NS}.svc.cluster.local" and status["selector"] == engine_selector(NAME)
+    assert status["modelName"] == constants.DEMO_MODEL_NAME
+
+    # Exactly one reconcile for the create: children created once, none patched, status written once; the watch
+    # events of its own creates did not trigger more reconciles.
+    log = h.requests()
+    for kind, name in EXPECTED_CHILDREN:
+        plural = next(t.plural for t in CHILD_TYPES if t.kind == kind)
+        assert len([r for r in writes(log, "POST", plural) if r.data["metadata"]["name"] == name]) == 1, name
+    assert [r for r in log if r.method == "PATCH" and r.resource.plural != constants.CRD_PLURAL] == []
+    assert len(writes(log, "PATCH", constants.CRD_PLURAL, NAME, "status")) == 1
+    assert h.metrics.reconciles.labels(kind="create", result="success")._value.get() == 1
+    assert h.metrics.reconciles.labels(kind="child", result="success")._value.get() == 0
+    assert h.metrics.managed._value.get() == 1
+
+    # kopf keeps its state in annotations under radixserve.io, not in the structural status.
+    annotations = isvc["metadata"].get("annotations") or {}
+    assert all(k.startswith(constants.API_GROUP + "/") for k in annotations)
+    assert set(isvc["status"]) <= {"observedGeneration", "replicas", "readyReplicas", "selector", "url",
+                                   "modelName", "conditions"}
+
+    events = await h.events()
+    created_event = next(e for e in events if e["reason"] == "Created")
+    assert created_event["type"] == "Normal" and created_event["involvedObject"]["uid"] == uid
+    assert f"Deployment/{ENGINE}" in created_event["message"]
+
+    # /metrics and /healthz on the operator's own port.
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{h.metrics_port}") as client:
+        assert (await client.get("/healthz")).status_code == 200
+        text = (await client.get("/metrics")).text
+    assert 'radixserve_operator_reconciles_total{kind="create",result="success"} 1.0' in text
+    assert "radixserve_operator_managed_inference_services 1.0" in text
+    assert "radixserve_operator_reconcile_duration_seconds_count" in text
+
+
+# --- updates ----------------------------------------------------------------------------------------------------
+
+
+async def test_updates_patch_exactly_the_children_they_concern(harness):
+    h = harness
+    await h.start()
+    await created(h)
+    await settled(h)
+
+    # spec.replicas as `kubectl scale` writes it (the /scale subresource; the emulator merges it into .spec).
+    mark = len(h.requests())
+    await h.patch(isvc_path(NAME, subresource="scale"), {"spec": {"replicas": 3}})
+    await until(lambda: _replicas(h, 3), what="engine Deployment scaled to 3")
+    await settled(h)
+    log = h.requests(mark)
+    assert len(writes(log, "PATCH", "deployments", ENGINE)) == 1
+    assert writes(log, "PATCH", "deployments", ROUTER) == [] and writes(log, "PATCH", "configmaps") == []
+    assert writes(log, "POST", "deployments") == [] and writes(log, "DELETE") == []
+    assert (await h.isvc(NAME))["status"]["observedGeneration"] == 2
+
+    # Engine image: the engine Deployment only (its pod template), not the router.
+    mark = len(h.requests())
+    await h.patch(isvc_path(NAME), {"spec": {"engine": {"image": "radixserve:new"}}})
+    await until(lambda: _engine_image(h, "radixserve:new"), what="engine image patched")
+    await settled(h)
+    log = h.requests(mark)
+    assert len(writes(log, "PATCH", "deployments", ENGINE)) == 1
+    assert writes(log, "PATCH", "deployments", ROUTER) == []
+    router = await h.get(ROUTER_DEP)
+    assert container(router)["image"] == "radixserve:test"
+    assert (await h.get(ENGINE_DEP))["spec"]["replicas"] == 3  # the earlier scale kept
+
+    # Router policy: the router Deployment (its args) and the ConfigMap; the engine Deployment is untouched.
+    mark = len(h.requests())
+    await h.patch(isvc_path(NAME), {"spec": {"router": {"policy": "least_load"}}})
+    await until(lambda: _router_policy(h, "least_load"), what="router policy patched")
+    await settled(h)
+    log = h.requests(mark)
+    assert len(writes(log, "PATCH", "deployments", ROUTER)) == 1
+    assert len(writes(log, "PATCH", "configmaps")) == 1
+    assert writes(log, "PATCH", "deployments", ENGINE) == []
+    # One reconcile per change: create + three updates (kopf ran each handler once).
+    assert h.metrics.reconciles.labels(kind="update", result="success")._value.get() == 3
+
+
+async def _replicas(h: OperatorHarness, n: int) -> bool:
+    return ((await h.get(ENGINE_DEP)) or {}).get("spec", {}).get("replicas") == n
+
+
+async def _engine_image(h: OperatorHarness, image: str) -> bool:
+    return container(await h.get(ENGINE_DEP))["image"] == image
+
+
+async def _router_policy(h: OperatorHarness, policy: str) -> bool:
+    args = container(await h.get(ROUTER_DEP)).get("args", []) + container(await h.get(ROUTER_DEP)).get("command", [])
+    return policy in args and args[args.index(policy) - 1] == "--policy"
+
+
+# --- drift ------------------------------------------------------------------------------------------------------
+
+
+async def test_deleted_and_hand_edited_children_are_repaired_from_their_watch_events(harness):
+    h = harness
+    await h.start(resync_seconds=600)  # the timer cannot be what repairs here
+    await created(h)
+    await settled(h)
+    uid_before = (await h.get(ROUTER_SVC))["metadata"]["uid"]
+
+    await h.delete(ROUTER_SVC)
+    svc = await until(lambda: h.get(ROUTER_SVC), timeout=10, what="router Service recreated")
+    assert svc["metadata"]["uid"] != uid_before
+    assert svc["metadata"]["ownerReferences"][0]["name"] == NAME
+
+    # Hand-edit: another image, an extra label another controller might add (not drift), a changed label (drift).
+    await h.patch(ENGINE_DEP, [
+        {"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": "evil:latest"},
+        {"op": "add", "path": "/metadata/labels/team", "value": "ml"},
+        {"op": "replace", "path": "/metadata/labels/app.kubernetes.io~1component", "value": "tampered"},
+    ])
+    await until(lambda: _engine_image(h, "radixserve:test"), timeout=10, what="engine image repaired")
+    dep = await h.get(ENGINE_DEP)
+    assert dep["metadata"]["labels"][constants.LABEL_COMPONENT] == constants.COMPONENT_ENGINE
+    assert dep["metadata"]["labels"]["team"] == "ml"  # fields the operator does not manage are left alone
+    await settled(h)
+    assert h.metrics.reconciles.labels(kind="child", result="success")._value.get() >= 2
+    assert h.metrics.reconciles.labels(kind="timer", result="success")._value.get() == 0
+
+    # Server-side defaults and another writer's fields are not drift: a reconcile then writes nothing.
+    await h.patch(ENGINE_DEP, {"spec": {"revisionHistoryLimit": 10, "template": {"spec": {
+        "dnsPolicy": "ClusterFirst"}}}})
+    await settled(h)
+    mark = len(h.requests())
+    await h.patch(isvc_path(NAME), {"metadata": {"labels": {"touch": "1"}}})  # an update that changes no child
+    await until(lambda: h.metrics.reconciles.labels(kind="update", result="success")._value.get() == 1)
+    await settled(h)
+    assert [r for r in h.requests(mark) if r.method in ("PATCH", "POST", "DELETE")
+            and r.resource.plural != constants.CRD_PLURAL] == []
+
+
+async def test_resync_timer_repairs_what_no_watch_event_reported(harness):
+    h = harness
+    await h.start(resync_seconds=1.0)
+    await created(h)
+    # Gone behind the server's back (no watch event): only the timer can notice.
+    key = next(k for k in h.emu.objects if k[0].plural == "configmaps" and k[2] == f"{NAME}-config")
+    h.emu.objects[key].delete()
+    assert await h.get(CONFIG) is None
+    await until(lambda: h.get(CONFIG), timeout=15, what="ConfigMap recreated by the timer")
+    await until(lambda: h.metrics.reconciles.labels(kind="timer", result="success")._value.get() >= 1,
+                what="a timer reconcile counted")
+    assert h.metrics.reconciles.labels(kind="child", result="success")._value.get() == 0
+
+
+# --- optional children ------------------------------------------------------------------------------------------
+
+
+async def test_autoscaling_adds_and_removes_the_hpa_and_a_disabled_pdb_is_deleted(harness):
+    h = harness
+    await h.start()
+    await created(h)
+    assert await h.get(HPA) is None and await h.get(PDB) is not None
+
+    await h.patch(isvc_path(NAME), {"spec": {"autoscaling": {"minReplicas": 2, "maxReplicas": 5,
+                                                             "metric": "tokensInFlight", "targetPerPod": 4000}}})
+    hpa = await until(lambda: h.get(HPA), what="HPA created")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}",
+                                             "kind": constants.CRD_KIND, "name": NAME}
+    assert hpa["spec"]["minReplicas"] == 2 and hpa["spec"]["maxReplicas"] == 5
+    assert hpa["metadata"]["ownerReferences"][0]["name"] == NAME
+    await until(lambda: _replicas(h, 2), what="replicas from autoscaling.minReplicas")
+
+    mark = len(h.requests())
+    await h.patch(isvc_path(NAME), {"spec": {"autoscaling": None, "disruptionBudget": {"enabled": False}}})
+    await until(lambda: _absent_all(h, HPA, PDB), what="HPA and PDB deleted")
+    await settled(h)
+    deletes = writes(h.requests(mark), "DELETE")
+    assert sorted((r.resource.plural, r.name) for r in deletes) == [
+        ("horizontalpodautoscalers", NAME), ("poddisruptionbudgets", ENGINE)]
+    assert set(await children(h)) == EXPECTED_CHILDREN - {("PodDisruptionBudget", ENGINE)}
+    assert (await h.get(ENGINE_DEP))["spec"]["replicas"] == 1
+    assert any(e["reason"] == "Deleted" for e in await h.events())
+
+
+async def _absent_all(h: OperatorHarness, *paths: str) -> bool:
+    return all([await h.get(p) is None for p in paths])
+
+
+async def test_prune_leaves_labelled_objects_of_other_owners_alone(harness):
+    h = harness
+    await h.start()
+    await created(h)
+    # A PDB labelled as ours but owned by someone else (or nobody): not ours to delete.
+    stray = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+             "metadata": {"name": "hand-made", "namespace": NS,
+                          "labels": {constants.LABEL_INFERENCE_SERVICE: NAME}},
+             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"x": "y"}}}}
+    await h.create(child_path("policy/v1", "poddisruptionbudgets"), stray)
+    await h.patch(isvc_path(NAME), {"spec": {"disruptionBudget": {"enabled": False}}})
+    await until(lambda: _absent_all(h, PDB), what="own PDB deleted")
+    await settled(h)
+    assert await h.get(child_path("policy/v1", "poddisruptionbudgets", "hand-made")) is not None
+
+
+# --- invalid specs ----------------------------------------------------------------------------------------------
+
+
+async def test_invalid_spec_is_degraded_with_a_clear_message_and_nothing_is_applied(harness):
+    h = harness
+    await h.start()
+    bad = {"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"},
+           "autoscaling": {"minReplicas": 4, "maxReplicas": 2, "targetPerPod": 3}}
+    isvc = await created(h, "bad", bad)
+    await settled(h)
+    degraded = next(c for c in isvc["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert "minReplicas (4) must be <= maxReplicas (2)" in degraded["message"]
+    assert "spec.autoscaling" in degraded["message"]
+    ready = next(c for c in isvc["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+    assert await children(h, "bad") == {}
+    assert [r for r in h.requests() if r.method == "POST" and r.resource.plural != "events"
+            and r.resource.plural != constants.CRD_PLURAL] == []
+    warning = next(e for e in await h.events() if e["reason"] == "InvalidSpec")
+    assert warning["type"] == "Warning" and "maxReplicas" in warning["message"]
+    assert h.metrics.reconciles.labels(kind="create", result="invalid_spec")._value.get() == 1
+    assert h.metrics.reconciles.labels(kind="create", result="error")._value.get() == 0  # no retry storm
+
+
+async def test_a_valid_service_made_invalid_keeps_its_children_untouched_until_fixed(harness):
+    h = harness
+    await h.start()
+    await created(h)
+    await settled(h)
+    before = await children(h)
+
+    mark = len(h.requests())
+    await h.patch(isvc_path(NAME), {"spec": {"model": {"storageUri": "s3://bucket/model"},
+                                             "engine": {"image": "radixserve:new"}}})
+    await until(lambda: _reason(h, NAME, "Degraded", "InvalidSpec"), what="InvalidSpec")
+    message = (await h.condition(NAME, "Degraded"))["message"]
+    assert "spec.model.storageUri" in message and "s3://" not in message or "pattern" in message
+    await settled(h)
+    assert [r for r in h.requests(mark) if r.method in ("POST", "PATCH", "DELETE")
+            and r.resource.plural not in (constants.CRD_PLURAL, "events")] == []
+    after = await children(h)
+    assert {k: v["metadata"]["resourceVersion"] for k, v in after.items()} == {
+        k: v["metadata"]["resourceVersion"] for k, v in before.items()}
+    assert (await h.isvc(NAME))["status"]["observedGeneration"] == 2
+
+    # Fixed: applied again (the image change that came with the bad URI too), Degraded cleared.
+    await h.patch(isvc_path(NAME), {"spec": {"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"}}})
+    await until(lambda: _engine_image(h, "radixserve:new"), what="applied after the fix")
+    await until(lambda: _reason(h, NAME, "Degraded", "AsExpected"), what="Degraded cleared")
+
+
+async def _reason(h: OperatorHarness, name: str, type_: str, reason: str) -> bool:
+    return (await h.condition(name, type_)).get("reason") == reason
+
+
+# --- status follows the children ---------------------------------------------------------------------------------
+
+
+async def test_status_follows_deployment_and_endpointslice_status_written_by_the_test(harness):
+    """No Deployment controller runs in the emulator: the TEST writes the Deployment status and the EndpointSlice a
+    real cluster's controllers would, and the operator's status follows within seconds (child watch events)."""
+    h = harness
+    await h.start()
+    await created(h)
+    await settled(h)
+    for path in (ENGINE_DEP, ROUTER_DEP):
+        dep = await h.get(path)
+        await h.patch(path + "/status", {"status": {
+            "observedGeneration": dep["metadata"]["generation"], "replicas": 1, "updatedReplicas": 1,
+            "readyReplicas": 1, "availableReplicas": 1}})
+    await until(lambda: _reason(h, NAME, "Ready", "EndpointsNotReady"), timeout=10, what="EndpointsNotReady")
+    await h.create(child_path("discovery.k8s.io/v1", "endpointslices"), {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+        "metadata": {"name": f"{ENGINE}-abcde", "namespace": NS, "labels": {constants.LABEL_SERVICE_NAME: ENGINE}},
+        "ports": [{"name": constants.HTTP_PORT_NAME, "port": constants.ENGINE_PORT}],
+        "endpoints": [{"addresses": ["10.0.0.7"], "conditions": {"ready": True}}]})
+    # EndpointSlices are not watched (they are not the operator's children): the next reconcile sees it, here one
+    # caused by the router Deployment's status changing again.
+    await h.patch(ROUTER_DEP + "/status", {"status": {"readyReplicas": 1, "conditions": []}})
+    await until(lambda: _reason(h, NAME, "Ready", "Ready"), timeout=10, what="Ready")
+    isvc = await h.isvc(NAME)
+    assert isvc["status"]["readyReplicas"] == 1 and isvc["status"]["replicas"] == 1
+    assert any(e["reason"] == "Ready" and e["type"] == "Normal" for e in await h.events())
+
+    await h.patch(ENGINE_DEP + "/status", {"status": {"readyReplicas": 0, "availableReplicas": 0}})
+    await until(lambda: _reason(h, NAME, "Ready", "EnginesNotReady"), timeout=10, what="not Ready again")
+    assert any(e["reason"] == "NotReady" and e["type"] == "Warning" for e in await h.events())
+
+
+# --- deletion ---------------------------------------------------------------------------------------------------
+
+
+async def test_deleting_the_service_completes_and_the_operator_forgets_it(harness):
+    """kopf's finalizer (required by its timer) is removed at deletion; the children's garbage collection is the
+    API server's (not emulated: they stay here)."""
+    h = harness
+    await h.start()
+    isvc = await created(h)
+    assert isvc["metadata"]["finalizers"] == ["radixserve.io/kopf-finalizer"]
+    await h.delete(isvc_path(NAME))
+    await until(lambda: _absent_all(h, isvc_path(NAME)), timeout=15, what="InferenceService gone")
+    await until(lambda: h.metrics.managed._value.get() == 0, what="managed gauge 0")
+    assert (await h.get(ENGINE_DEP))["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
+
+
+# --- what the operator asks of the API server (for the chart's RBAC) ---------------------------------------------
+
+
+async def test_representative_api_calls_cover_every_kind_and_verb(k8s):  # noqa: F811
+    emulator, api = k8s
+    calls = await representative_api_calls(emulator, api)
+    assert calls == api_calls(emulator)
+    for t in CHILD_TYPES:
+        group = t.api_version.rpartition("/")[0]
+        for verb in ("list", "watch", "create"):
+            assert (verb, group, t.plural) in calls, (verb, t.plural)
+    assert ("delete", "autoscaling", "horizontalpodautoscalers") in calls
+    assert ("patch", constants.API_GROUP, f"{constants.CRD_PLURAL}/status") in calls
+    assert ("patch", constants.API_GROUP, constants.CRD_PLURAL) in calls
+    assert ("list", "discovery.k8s.io", "endpointslices") in calls
+    assert ("create", "", "events") in calls
+    assert ("get", constants.API_GROUP, constants.CRD_PLURAL) in calls  # a child event reads its owner
+    assert not any(verb == "update" for verb, _, _ in calls)  # no PUT
