@@ -64,11 +64,16 @@ _TYPES_BY_KIND = {(t.api_version, t.kind): t for t in CHILD_TYPES}
 
 
 def format_validation_error(exc: pydantic.ValidationError) -> str:
-    """A one-line, user-facing message: ``spec.autoscaling: Value error, ...; spec.model.storageUri: ...``."""
+    """A one-line, user-facing message: ``spec.autoscaling: Value error, ...; spec.model.storageUri: String should
+    match pattern '...' (got 's3://b/m')``."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()))
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        msg = str(err.get("msg"))
+        value = err.get("input")
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and len(str(value)) <= 200:
+            msg += f" (got {value!r})"  # scalars only: a whole sub-object would drown the message
+        parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
 

@@ -39,8 +39,26 @@ import kmock
 import pytest
 import pytest_asyncio
 from kmock import action
+from kmock._internal import parsing as _kmock_parsing
 
 __all__ = ["K8sEmulator", "k8s", "merge_patch"]
+
+
+_kmock_parse_path = _kmock_parsing.parse_path
+
+
+def _parse_path(path: str) -> Any:
+    """kmock 0.8's path parser, except that ``/api/v1/namespaces`` (listing or watching namespaces, which kopf does
+    when it watches named namespaces) is the ``namespaces`` resource; kmock's own parser raises ValueError on it and
+    answers 500."""
+    if path.strip("/") == "api/v1/namespaces":
+        return _kmock_parsing.ParsedPath(group="", version="v1", plural="namespaces")
+    return _kmock_parse_path(path)
+
+
+# kmock looks the parser up at call time (rendering.Request._parse -> parsing.parse_path); the fix only changes the
+# one path that raised, so patching the module attribute is safe for every other kmock user in the test process.
+_kmock_parsing.parse_path = _parse_path
 
 
 def merge_patch(target: Any, patch: Any) -> Any:

@@ -1,0 +1,94 @@
+"""``radixserve operator``: flags, refusals, and the real process against the API server emulator (KUBECONFIG)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from k8s_emulator import k8s  # noqa: F401 - pytest fixture
+from operator_scenario import OperatorHarness, child_path, isvc_body, isvc_path, until
+from radixserve import constants
+from radixserve.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_help_lists_the_flags():
+    out = subprocess.run([sys.executable, "-m", "radixserve", "operator", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--namespace", "--all-namespaces", "--image", "--image-pull-policy", "--resync-seconds",
+                 "--metrics-port", "--log-level", "/healthz", "/metrics"):
+        assert flag in out.stdout, flag
+    assert f"{constants.IMAGE_REPOSITORY}:" in out.stdout and str(constants.OPERATOR_METRICS_PORT) in out.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "one of the arguments --namespace/-n --all-namespaces/-A is required"),
+    (["--all-namespaces", "--namespace", "ml"], "not allowed with argument"),
+    (["--all-namespaces", "--image-pull-policy", "Sometimes"], "invalid choice: 'Sometimes'"),
+    (["--all-namespaces", "--resync-seconds", "soon"], "invalid float value"),
+    (["--all-namespaces", "--resync-seconds", "0"], "--resync-seconds must be > 0"),
+    (["--all-namespaces", "--metrics-port", "70000"], "--metrics-port must be 0..65535"),
+    (["--all-namespaces", "--log-level", "loud"], "invalid choice: 'loud'"),
+    (["--all-namespaces", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc_info:
+        code = main(["operator", *argv])
+        raise SystemExit(code)
+    assert exc_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_process_reconciles_against_the_emulator_and_stops_on_sigterm(k8s):  # noqa: F811
+    emulator, api = k8s
+    h = OperatorHarness(emulator, api)  # declares the CRD; the operator itself runs in the subprocess
+    # A namespaced operator waits until its namespace exists (kopf lists and watches namespaces).
+    await h.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # The k8s fixture points KUBECONFIG at the emulator; the child inherits it (no in-cluster variables).
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "radixserve", "operator", "--namespace", "ml", "--image", "radixserve:cli",
+        "--metrics-port", str(port), "--resync-seconds", "2", cwd=ROOT, env=dict(os.environ),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            async def healthy() -> bool:
+                try:
+                    return (await client.get("/healthz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+            await until(healthy, timeout=60, what="operator /healthz 200")
+            await h.create(isvc_path(), isvc_body("cli"))
+            dep = await until(lambda: h.get(child_path("apps/v1", "deployments",
+                                                       constants.engine_deployment_name("cli"))),
+                              timeout=30, what="engine Deployment")
+            assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "radixserve:cli"
+            await until(lambda: h.condition("cli", "Ready"), timeout=30, what="status conditions")
+            metrics = (await client.get("/metrics")).text
+            assert 'radixserve_operator_reconciles_total{kind="create",result="success"} 1.0' in metrics
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 30)
+        output = (await proc.stdout.read()).decode()
+        assert code == 0, output
+    except AssertionError:
+        if proc.returncode is None:
+            proc.kill()
+        print((await proc.stdout.read()).decode()[-5000:])
+        raise
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
