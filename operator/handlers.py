@@ -198,7 +198,8 @@ class Reconciler:
             self.metrics.reconcile_duration.observe(time.perf_counter() - start)
         self.metrics.reconciles.labels(kind=kind, result=result).inc()
 
-    def _reconcile(self, state: _OwnerState, body: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter) -> str:
+    def _reconcile(self, state: _OwnerState, body: dict[str, Any],
+                   logger: logging.Logger | logging.LoggerAdapter) -> str:
         meta = body["metadata"]
         name, namespace = meta["name"], meta.get("namespace", "")
         if meta.get("deletionTimestamp"):

@@ -98,7 +98,8 @@ async def run_operator(config: OperatorConfig, *, api_client: Any = None, stop_f
     """Run kopf with this operator's handlers until ``stop_flag`` (asyncio.Event/Future) is set or SIGTERM/SIGINT.
 
     ``api_client``: the reconciler's kubernetes ApiClient (default ``load_kube_client()``); ``ready_flag`` (an
-    asyncio or threading Event) is set when kopf has started (it also gates /healthz); ``metrics``: an ``OperatorMetrics`` to read the counters (tests).
+    asyncio or threading Event) is set when kopf has started (it also gates /healthz); ``metrics``: an
+    ``OperatorMetrics`` to read the counters (tests).
     """
     # Imported here: `radixserve --help` and the other subcommands need not import kopf.
     import kopf

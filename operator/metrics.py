@@ -69,8 +69,9 @@ def _app(metrics: OperatorMetrics, ready: Any) -> web.Application:
 @asynccontextmanager
 async def serve(metrics: OperatorMetrics, ready: Any, host: str = "0.0.0.0",
                 port: int = constants.OPERATOR_METRICS_PORT) -> AsyncIterator[int]:
-    """Serve /metrics and /healthz on ``host:port`` (``ready``: an asyncio or threading Event, gates /healthz) (aiohttp, in the running event loop) for the duration of the
-    ``async with``; yields the bound port (useful with ``port=0``). Raises OSError if the port is taken."""
+    """Serve /metrics and /healthz on ``host:port`` (aiohttp, in the running event loop) for the duration of the
+    ``async with``; ``ready`` (an asyncio or threading Event) gates /healthz. Yields the bound port (useful with
+    ``port=0``). Raises OSError if the port is taken."""
     runner = web.AppRunner(_app(metrics, ready), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
