@@ -214,6 +214,13 @@ class Reconciler:
         except ValueError as exc:
             return self._invalid(body, str(exc), previous, logger)
 
+        if isvc.spec.autoscaling is not None and isvc.spec.replicas is None:
+            # The scale subresource reads an absent spec.replicas as 0, and an HPA whose target has 0 replicas
+            # disables itself (ScalingDisabled): start the HPA from minReplicas.
+            self.api.call(f"default spec.replicas of InferenceService {namespace}/{name}", self.api.merge_patch,
+                          INFERENCE_SERVICES, namespace, name, {"spec": {"replicas": isvc.spec.desired_replicas()}})
+            logger.info("spec.replicas unset under autoscaling: set to minReplicas %d", isvc.spec.desired_replicas())
+
         owner_uid = meta.get("uid")
         selector = {constants.LABEL_INFERENCE_SERVICE: name}
         created: list[str] = []

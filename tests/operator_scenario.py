@@ -28,6 +28,9 @@ from radixserve.operator.metrics import OperatorMetrics
 NS = "ml"
 ISVC_API = f"/apis/{constants.API_GROUP}/{constants.API_VERSION}"
 SAMPLE_SPEC: dict[str, Any] = {"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"}}
+# Sent by the test's own requests (creating InferenceServices, writing Deployment status, ...) so api_calls() can
+# tell them from the operator's.
+TEST_CLIENT_HEADERS = {"x-radixserve-test-client": "1"}
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch",
          "DELETE": "delete"}
 
@@ -121,25 +124,25 @@ class OperatorHarness:
     # --- HTTP helpers -----------------------------------------------------------------------------------------------
 
     async def get(self, path: str) -> dict[str, Any] | None:
-        resp = await self.emu.get(path)
+        resp = await self.emu.get(path, headers=TEST_CLIENT_HEADERS)
         if resp.status == 404:
             return None
         assert resp.status == 200, await resp.text()
         return await resp.json()
 
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        resp = await self.emu.post(path, json=body)
+        resp = await self.emu.post(path, json=body, headers=TEST_CLIENT_HEADERS)
         assert resp.status in (200, 201), await resp.text()
         return await resp.json()
 
     async def patch(self, path: str, body: Any) -> dict[str, Any]:
         ctype = "application/json-patch+json" if isinstance(body, list) else "application/merge-patch+json"
-        resp = await self.emu.patch(path, json=body, headers={"Content-Type": ctype})
+        resp = await self.emu.patch(path, json=body, headers={"Content-Type": ctype, **TEST_CLIENT_HEADERS})
         assert resp.status == 200, await resp.text()
         return await resp.json()
 
     async def delete(self, path: str) -> None:
-        resp = await self.emu.delete(path)
+        resp = await self.emu.delete(path, headers=TEST_CLIENT_HEADERS)
         assert resp.status == 200, await resp.text()
 
     async def isvc(self, name: str) -> dict[str, Any] | None:
@@ -166,12 +169,15 @@ def writes(requests: list[Any], method: str, plural: str | None = None, name: st
 
 
 def api_calls(emulator: Any) -> set[tuple[str, str, str]]:
-    """Every (verb, apiGroup, resource[/subresource]) in the emulator's request log, in RBAC terms (the core group
+    """Every (verb, apiGroup, resource[/subresource]) the operator sent (the emulator's request log without the
+    test's own requests), in RBAC terms (the core group
     is ""). Requests that are not Kubernetes API calls (discovery of /api, /apis, /version) are left out."""
     calls = set()
     for r in emulator:
         if r.resource is None or r.resource.plural is None or r.action is None:
             continue
+        if any(k.lower() == "x-radixserve-test-client" for k in r.headers):
+            continue  # the test's own request, not the operator's
         verb = VERBS[r.action.name]
         resource = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
         calls.add((verb, r.resource.group or "", resource))

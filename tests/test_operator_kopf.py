@@ -287,6 +287,8 @@ async def test_autoscaling_adds_and_removes_the_hpa_and_a_disabled_pdb_is_delete
     assert hpa["spec"]["minReplicas"] == 2 and hpa["spec"]["maxReplicas"] == 5
     assert hpa["metadata"]["ownerReferences"][0]["name"] == NAME
     await until(lambda: _replicas(h, 2), what="replicas from autoscaling.minReplicas")
+    # An absent spec.replicas reads as 0 through the scale subresource (the HPA would disable itself): defaulted.
+    assert (await h.isvc(NAME))["spec"]["replicas"] == 2
 
     mark = len(h.requests())
     await h.patch(isvc_path(NAME), {"spec": {"autoscaling": None, "disruptionBudget": {"enabled": False}}})
@@ -296,7 +298,8 @@ async def test_autoscaling_adds_and_removes_the_hpa_and_a_disabled_pdb_is_delete
     assert sorted((r.resource.plural, r.name) for r in deletes) == [
         ("horizontalpodautoscalers", NAME), ("poddisruptionbudgets", ENGINE)]
     assert set(await children(h)) == EXPECTED_CHILDREN - {("PodDisruptionBudget", ENGINE)}
-    assert (await h.get(ENGINE_DEP))["spec"]["replicas"] == 1
+    # spec.replicas (defaulted, or last written by the HPA) stays: removing an HPA does not rescale, as in Kubernetes.
+    assert (await h.get(ENGINE_DEP))["spec"]["replicas"] == 2
     assert any(e["reason"] == "Deleted" for e in await h.events())
 
 
