@@ -35,15 +35,18 @@ class OperatorMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.reconciles = Counter(P + "reconciles_total", "Reconciles of InferenceServices by trigger and result",
+        reconciles, errors = constants.OPERATOR_COUNTERS
+        (managed,) = constants.OPERATOR_GAUGES
+        (duration,) = constants.OPERATOR_HISTOGRAMS
+        self.reconciles = Counter(P + reconciles, "Reconciles of InferenceServices by trigger and result",
                                   ["kind", "result"], registry=self.registry)
-        self.reconcile_errors = Counter(P + "reconcile_errors_total",
+        self.reconcile_errors = Counter(P + errors,
                                         "Failed reconciles by trigger and error reason", ["kind", "reason"],
                                         registry=self.registry)
-        self.reconcile_duration = Histogram(P + "reconcile_duration_seconds", "Wall time of one reconcile (seconds)",
+        self.reconcile_duration = Histogram(P + duration, "Wall time of one reconcile (seconds)",
                                             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
                                             registry=self.registry)
-        self.managed = Gauge(P + "managed_inference_services", "InferenceServices the operator reconciles",
+        self.managed = Gauge(P + managed, "InferenceServices the operator reconciles",
                              registry=self.registry)
 
     def render(self) -> bytes:

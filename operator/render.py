@@ -489,9 +489,8 @@ def _router_deployment(isvc: InferenceService, options: RenderOptions, router_cf
         "ports": [{"name": constants.HTTP_PORT_NAME, "containerPort": constants.ROUTER_PORT, "protocol": "TCP"}],
         "resources": _resources(router.resources),
         # /health, not /ready: clients always reach the router and get OpenAI-format 503s while no engine is up.
-        # The router serves the same path as the engine (CONTRACTS.md "Health"; there is no ROUTER_HEALTH_PATH).
-        "readinessProbe": _http_probe(constants.ENGINE_HEALTH_PATH, period=5, timeout=5, failures=3),
-        "livenessProbe": _http_probe(constants.ENGINE_HEALTH_PATH, period=15, timeout=10, failures=4),
+        "readinessProbe": _http_probe(constants.ROUTER_HEALTH_PATH, period=5, timeout=5, failures=3),
+        "livenessProbe": _http_probe(constants.ROUTER_HEALTH_PATH, period=15, timeout=10, failures=4),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ROUTER_PRESTOP_SLEEP_S)]}}},
         "securityContext": _container_security_context(),
     }

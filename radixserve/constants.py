@@ -131,3 +131,12 @@ DEMO_MODEL_IMAGE_DIR = "/opt/radixserve/models/" + DEMO_MODEL_NAME  # baked into
 MODEL_MOUNT_PATH = "/mnt/models"  # pvc:// mounts and hf:// downloads land here in engine pods
 OPERATOR_METRICS_PORT = 8080  # the operator's /metrics and /healthz
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"  # EndpointSlice -> Service (set by Kubernetes)
+
+# Operator metrics (names without OPERATOR_METRIC_PREFIX)
+OPERATOR_COUNTERS = (
+    "reconciles_total",  # labels: kind (trigger), result
+    "reconcile_errors_total",  # labels: kind, reason
+)
+OPERATOR_GAUGES = ("managed_inference_services",)
+OPERATOR_HISTOGRAMS = ("reconcile_duration_seconds",)
+ROUTER_HEALTH_PATH = "/health"

@@ -36,7 +36,7 @@ from radixserve.router.workers import WorkerPool
 logger = logging.getLogger("radixserve.router")
 
 # Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key).
-_OPEN_PATHS = frozenset({"/health", constants.ROUTER_READY_PATH, "/metrics"})
+_OPEN_PATHS = frozenset({constants.ROUTER_HEALTH_PATH, constants.ROUTER_READY_PATH, "/metrics"})
 _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
@@ -179,7 +179,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
             return _error_response(f"The model `{model}` does not exist.", 404, "model")
         return JSONResponse(found[0])
 
-    @app.get("/health")
+    @app.get(constants.ROUTER_HEALTH_PATH)
     async def health() -> JSONResponse:
         age = discovery.age_s()
         return JSONResponse({

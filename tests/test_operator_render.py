@@ -493,7 +493,7 @@ def test_router_pod_shape() -> None:
     assert c["image"] == OPTIONS.image
     assert c["resources"] == SPECS["extra-args"]["router"]["resources"]
     for probe in ("readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"]["port"] == constants.HTTP_PORT_NAME
+        assert c[probe]["httpGet"] == {"path": constants.ROUTER_HEALTH_PATH, "port": constants.HTTP_PORT_NAME}
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == RUN_AS_USER
 
@@ -620,3 +620,13 @@ def test_output_is_deterministic() -> None:
     out = subprocess.run([sys.executable, "-c", _RENDER_SCRIPT % OPTIONS.image], input=wire, env=env,
                          capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == first
+
+
+def test_router_probe_path_is_served_by_the_router() -> None:
+    """The router Deployment's probes hit a path the router app really serves without an API key."""
+    from radixserve.router.app import _OPEN_PATHS, create_app
+    from radixserve.router.config import RouterArgs
+
+    app = create_app(RouterArgs(worker_urls=["http://127.0.0.1:1"]))
+    paths = {getattr(r, "path", None) for r in app.routes}
+    assert constants.ROUTER_HEALTH_PATH in paths and constants.ROUTER_HEALTH_PATH in _OPEN_PATHS
