@@ -580,3 +580,15 @@ def test_notes_tell_how_to_apply_and_reach_the_router(tmp_path):
     assert "kubectl port-forward -n team-a svc/chat" in text
     assert "example InferenceService chat in namespace team-a" in text
     assert "ServiceMonitor llm" in text and "ConfigMap llm-dashboard" in text
+
+
+def test_a_release_name_with_dots_gives_valid_object_names():
+    """Helm allows dots in release names; Service names must be DNS-1035 labels (regression: rs.prod rendered the
+    metrics Service "rs.prod-radixserve-operator-metrics", which the API server refuses)."""
+    out = run_helm(["template", "rs.prod", str(CHART_DIR), "--namespace", "x"])
+    assert out.returncode == 0, out.stderr
+    for obj in yaml.safe_load_all(out.stdout):
+        if obj:
+            kubernetes_validate.validate(obj, "1.33.0", strict=True)
+            if obj["kind"] == "Service":
+                assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"]), obj["metadata"]["name"]

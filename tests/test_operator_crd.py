@@ -309,8 +309,9 @@ def test_gpu_autoscaling_example():
     assert s.model.storage_scheme == "hf"
     assert s.engine.resources.limits["nvidia.com/gpu"] == 1
     assert s.autoscaling is not None and s.autoscaling.metric == "queue"
-    # Set, within bounds: the scale subresource reads an absent spec.replicas as 0, which disables the HPA.
-    assert s.autoscaling.min_replicas <= s.replicas <= s.autoscaling.max_replicas
+    # Unset: the operator defaults it to minReplicas once (test_operator_kopf), then the HPA owns it; a manifest that
+    # set it would reset the HPA's choice on every apply.
+    assert s.replicas is None and s.desired_replicas() == s.autoscaling.min_replicas
     p = s.placement
     assert p.node_selector and p.tolerations and p.affinity and p.priority_class_name
     # The anti-affinity selects this InferenceService's engine pods by the operator's labels.

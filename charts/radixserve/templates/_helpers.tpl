@@ -7,14 +7,15 @@ the operator's children carry it too, and the monitors select engines, routers a
 radixserve
 {{- end }}
 
-{{/* Object name prefix: the release name, or "<release>-radixserve" when the release name lacks "radixserve". */}}
+{{/* Object name prefix: the release name, or "<release>-radixserve" when the release name lacks "radixserve".
+Dots (allowed in release names) become "-": the metrics Service name must be a DNS-1035 label. */}}
 {{- define "radixserve.fullname" -}}
 {{- if .Values.fullnameOverride }}
 {{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
 {{- else if contains "radixserve" .Release.Name }}
-{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- .Release.Name | replace "." "-" | trunc 40 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-radixserve" .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- printf "%s-radixserve" (.Release.Name | replace "." "-") | trunc 40 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 
