@@ -54,6 +54,14 @@ CEL_RULES: dict[type[BaseModel], list[dict[str, str]]] = {
             "reason": "FieldValueInvalid",
         }
     ],
+    spec.Toleration: [
+        {
+            "rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            "message": "toleration operator Exists takes no value",
+            "fieldPath": ".value",
+            "reason": "FieldValueInvalid",
+        }
+    ],
 }
 
 # Rule at the schema root, mirroring spec.check_name's length limit (the API server already enforces a DNS-1123
@@ -66,7 +74,15 @@ ROOT_CEL_RULES: list[dict[str, str]] = [
             "are valid Service names"
         ),
         "reason": "FieldValueInvalid",
-    }
+    },
+    {
+        "rule": f"!self.metadata.name.endsWith('{spec.RESERVED_NAME_SUFFIX}')",
+        "message": (
+            f"metadata.name must not end in '{spec.RESERVED_NAME_SUFFIX}': the router Service of X{spec.RESERVED_NAME_SUFFIX} "
+            f"would take the name of X's engine Service"
+        ),
+        "reason": "FieldValueInvalid",
+    },
 ]
 
 # Schema keywords copied as they are (after conversion of their sub-schemas); anything else pydantic emits is an

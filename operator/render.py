@@ -52,6 +52,7 @@ __all__ = [
     "config_map_name",
     "engine_args",
     "router_args",
+    "cpu_threads",
     "render_children",
 ]
 
@@ -287,6 +288,33 @@ def _model_source(isvc: InferenceService, image: str, options: RenderOptions) ->
 # --- command lines --------------------------------------------------------------------------------------------------
 
 
+def _image_pull_secrets(isvc: InferenceService) -> dict[str, Any]:
+    names = isvc.spec.image_pull_secrets or []
+    return {"imagePullSecrets": [{"name": n} for n in names]} if names else {}
+
+
+def cpu_threads(resources: ResourceRequirements | None) -> int | None:
+    """torch threads for a CPU engine: the whole CPUs of its CPU limit (else request), at least 1; None for a GPU
+    engine (any ``*gpu*`` resource), without a CPU figure, or with one this does not parse.
+
+    torch starts a thread per host core by default, which under a smaller CFS quota gets the engine throttled.
+    """
+    if resources is None:
+        return None
+    sections = [resources.limits or {}, resources.requests or {}]
+    if any("gpu" in key for section in sections for key in section):
+        return None
+    for section in sections:
+        if "cpu" in section:
+            value = str(section["cpu"])
+            try:
+                cpus = int(value[:-1]) / 1000 if value.endswith("m") else float(value)
+            except ValueError:
+                return None
+            return max(1, math.floor(cpus))
+    return None
+
+
 def engine_args(isvc: InferenceService, model_path: str) -> list[str]:
     """``radixserve engine`` flags (after the subcommand) for ``isvc``; ``spec.engine.args`` last, so they win."""
     spec = isvc.spec
@@ -303,6 +331,9 @@ def engine_args(isvc: InferenceService, model_path: str) -> list[str]:
     args += ["--dtype", spec.engine.dtype, "--schedule-policy", spec.engine.schedule_policy]
     if spec.engine.kv_cache_tokens is not None:
         args += ["--max-total-tokens", str(spec.engine.kv_cache_tokens)]
+    threads = cpu_threads(spec.engine.resources)
+    if threads is not None:
+        args += ["--num-threads", str(threads)]
     if spec.model.storage_scheme == "demo":
         # The 4-bit 135M demo model rambles at temperature 1 (constants.DEMO_MODEL_SAMPLING_DEFAULTS), as in `up`.
         args += ["--preferred-sampling-params", constants.DEMO_MODEL_SAMPLING_DEFAULTS]
@@ -406,6 +437,7 @@ def _engine_deployment(isvc: InferenceService, options: RenderOptions, engine_cf
         pod_spec["affinity"] = placement.affinity
     if placement.priority_class_name:
         pod_spec["priorityClassName"] = placement.priority_class_name
+    pod_spec.update(_image_pull_secrets(isvc))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -443,7 +475,6 @@ def _engine_service(isvc: InferenceService) -> dict[str, Any]:
                 "targetPort": constants.HTTP_PORT_NAME,
                 "protocol": "TCP",
             }],
-            "publishNotReadyAddresses": False,
         },
     }
 
@@ -510,6 +541,7 @@ def _router_deployment(isvc: InferenceService, options: RenderOptions, router_cf
                 },
                 "spec": {
                     "serviceAccountName": constants.router_deployment_name(name),
+                    **_image_pull_secrets(isvc),
                     "enableServiceLinks": False,
                     "securityContext": _pod_security_context(),
                     "terminationGracePeriodSeconds": ROUTER_TERMINATION_GRACE_S,

@@ -15,13 +15,42 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from radixserve import constants
 
-# A Kubernetes quantity ("500m", "2Gi", 1) or an int-or-string value ("25%", 1).
-IntOrString = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+# Kubernetes' quantity grammar (k8s.io/apimachinery resource.Quantity: "500m", "2Gi", "1e3", "1.5").
+QUANTITY_PATTERN = (
+    r"^[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+# DNS-1123 subdomain (Secret, PriorityClass names) and label value (nodeSelector values) grammars.
+DNS1123_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+
+
+def _check_quantity(value: int | str) -> int | str:
+    if isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 500m, 2, 8Gi, 1e9)")
+    return value
+
+
+def _check_int_or_percent(value: int | str) -> int | str:
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{value} must be >= 0")
+    if isinstance(value, str) and not re.match(r"^[0-9]+%$", value):
+        raise ValueError(f"{value!r} must be a non-negative integer or a percentage like '25%'")
+    return value
+
+
+_INT_OR_STRING = Field(json_schema_extra={"x-kubernetes-int-or-string": True})
+# A Kubernetes quantity ("500m", "2Gi", 1) and an int-or-percent ("25%", 1). Checked by the operator (InvalidSpec)
+# rather than by a CRD pattern: int-or-string nodes take no pattern in a structural schema.
+IntOrString = Annotated[int | str, _INT_OR_STRING]
+Quantity = Annotated[int | str, _INT_OR_STRING, AfterValidator(_check_quantity)]
+IntOrPercent = Annotated[int | str, _INT_OR_STRING, AfterValidator(_check_int_or_percent)]
+Dns1123Name = Annotated[str, Field(pattern=DNS1123_SUBDOMAIN_PATTERN, max_length=253)]
+LabelValue = Annotated[str, Field(pattern=LABEL_VALUE_PATTERN, max_length=63)]
 
 STORAGE_SCHEMES = ("pvc", "hf", "file", "demo")
 DEMO_MODELS = (constants.DEMO_MODEL_NAME,)  # demo://NAME: the models an image can bake in
@@ -58,7 +87,7 @@ class ModelSpec(_Model):
     """Which model the engines serve and where its weights come from."""
 
     storage_uri: str = Field(
-        pattern=STORAGE_URI_PATTERN,
+        json_schema_extra={"pattern": STORAGE_URI_PATTERN},  # in the CRD; here _check_storage_uri says it in words
         description=(
             "Where the weights are: pvc://CLAIM/PATH (mounted read-only), hf://ORG/REPO[@REVISION] (fetched by an "
             "init container), file:///PATH (baked into the image), or demo://smollm2-135m-instruct (the demo model "
@@ -69,17 +98,38 @@ class ModelSpec(_Model):
         default=None,
         min_length=1,
         max_length=256,
+        pattern=r"^[^-\s][^\s]*$",  # no whitespace, no leading '-' (it is a command-line value)
         description="Model name in the OpenAI API (default: the demo model's name, else the InferenceService name).",
     )
     tokenizer: str | None = Field(
         default=None,
+        pattern=r"^/",
         description="Tokenizer directory path inside the engine container (default: the model's own).",
     )
-    context_length: int | None = Field(default=None, ge=16, description="Longest prompt + completion in tokens.")
-    hf_token_secret: str | None = Field(
+    context_length: int | None = Field(
+        default=None, ge=16, le=10_000_000, description="Longest prompt + completion in tokens."
+    )
+    hf_token_secret: Dns1123Name | None = Field(
         default=None,
         description="Name of a Secret whose key HF_TOKEN is given to the hf:// fetch (private or gated repos).",
     )
+
+    @field_validator("storage_uri")
+    @classmethod
+    def _check_storage_uri(cls, uri: str) -> str:
+        if re.match(STORAGE_URI_PATTERN, uri):
+            return uri
+        scheme = uri.split("://", 1)[0] if "://" in uri else ""
+        if scheme not in STORAGE_SCHEMES:
+            raise ValueError(
+                f"storageUri {uri!r}: scheme {scheme + '://' if scheme else '(none)'} is not supported; use one of "
+                "pvc://CLAIM[/PATH], hf://ORG/REPO[@REVISION], file:///ABSOLUTE/PATH, "
+                + ", ".join(f"demo://{m}" for m in DEMO_MODELS)
+            )
+        forms = {"pvc": "pvc://CLAIM[/PATH] (CLAIM a PersistentVolumeClaim name)",
+                 "hf": "hf://ORG/REPO[@REVISION]", "file": "file:///ABSOLUTE/PATH",
+                 "demo": " or ".join(f"demo://{m}" for m in DEMO_MODELS)}
+        raise ValueError(f"storageUri {uri!r} is malformed: expected {forms[scheme]}")
 
     @property
     def storage_scheme(self) -> str:
@@ -90,8 +140,8 @@ class ModelSpec(_Model):
 class ResourceRequirements(_Model):
     """Container resources in Kubernetes quantities, e.g. ``{"limits": {"nvidia.com/gpu": 1, "memory": "8Gi"}}``."""
 
-    requests: dict[str, IntOrString] | None = None
-    limits: dict[str, IntOrString] | None = None
+    requests: dict[str, Quantity] | None = None
+    limits: dict[str, Quantity] | None = None
 
 
 class EngineSpec(_Model):
@@ -103,11 +153,17 @@ class EngineSpec(_Model):
     resources: ResourceRequirements | None = None
     dtype: Literal[ENGINE_DTYPES] = "auto"  # type: ignore[valid-type]
     kv_cache_tokens: int | None = Field(
-        default=None, ge=1, description="KV cache pool size in tokens (engine --max-total-tokens)."
+        default=None, ge=1, le=2**31 - 1, description="KV cache pool size in tokens (engine --max-total-tokens)."
     )
     schedule_policy: Literal[SCHEDULE_POLICIES] = "lpm"  # type: ignore[valid-type]
     startup_timeout_seconds: int = Field(
-        default=1800, ge=60, description="Budget for download + weight load + warm-up before the pod is restarted."
+        default=1800,
+        ge=60,
+        le=86400,
+        description=(
+            "Budget for weight load + warm-up before the pod is restarted (an hf:// download runs before it, in the "
+            "init container)."
+        ),
     )
 
 
@@ -155,23 +211,29 @@ class Toleration(_Model):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
 
+    @model_validator(mode="after")
+    def _exists_takes_no_value(self) -> "Toleration":
+        if self.operator == "Exists" and self.value:
+            raise ValueError(f"toleration operator Exists takes no value (got value {self.value!r})")
+        return self
+
 
 class PlacementSpec(_Model):
     """Where engine pods run. ``affinity`` is a core/v1 Affinity, passed through unchanged."""
 
-    node_selector: dict[str, str] | None = None
+    node_selector: dict[str, LabelValue] | None = None
     tolerations: list[Toleration] | None = None
     affinity: dict[str, Any] | None = Field(
         default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )
-    priority_class_name: str | None = None
+    priority_class_name: Dns1123Name | None = None
 
 
 class DisruptionBudgetSpec(_Model):
     """The engines' PodDisruptionBudget (on by default: a drain takes at most ``maxUnavailable`` engines at once)."""
 
     enabled: bool = True
-    max_unavailable: IntOrString = 1
+    max_unavailable: IntOrPercent = 1
 
 
 class InferenceServiceSpec(_Model):
@@ -186,6 +248,9 @@ class InferenceServiceSpec(_Model):
     router: RouterSpec = Field(default_factory=RouterSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     disruption_budget: DisruptionBudgetSpec = Field(default_factory=DisruptionBudgetSpec)
+    image_pull_secrets: list[Dns1123Name] | None = Field(
+        default=None, description="Secrets (names, in this namespace) for pulling the engine and router images."
+    )
 
     def desired_replicas(self) -> int:
         """Engine replicas to run: ``replicas`` if set, else ``autoscaling.minReplicas``, else 1."""
@@ -259,10 +324,20 @@ _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME_LENGTH = 63 - len("-router")
 
 
+# ISVC "x-engine"'s router Service ("x-engine") would be ISVC "x"'s engine Service.
+RESERVED_NAME_SUFFIX = "-" + constants.COMPONENT_ENGINE
+
+
 def check_name(name: str) -> None:
-    """Raise ValueError unless ``name`` gives valid child names (DNS-1035 label, <= 56 characters)."""
+    """Raise ValueError unless ``name`` gives valid child names that no other InferenceService's children can take
+    (DNS-1035 label, <= 56 characters, not ending in ``-engine``)."""
     if not _NAME_RE.match(name) or len(name) > MAX_NAME_LENGTH:
         raise ValueError(
             f"InferenceService name {name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
             "(lowercase letters, digits and '-', starting with a letter), so NAME-engine and NAME-router are valid"
+        )
+    if name.endswith(RESERVED_NAME_SUFFIX):
+        raise ValueError(
+            f"InferenceService name {name!r} must not end in {RESERVED_NAME_SUFFIX!r}: its router Service would take "
+            f"the name of InferenceService {name[: -len(RESERVED_NAME_SUFFIX)]!r}'s engine Service"
         )

@@ -194,7 +194,7 @@ def test_every_cross_field_validator_has_a_cel_rule():
 def test_cel_rules_compile_and_field_paths_exist(schema):
     env = celpy.Environment()
     rules = [(path, node, rule) for path, node in _walk(schema) for rule in node.get("x-kubernetes-validations", [])]
-    assert {path for path, _, _ in rules} == {"", ".spec.autoscaling"}
+    assert {path for path, _, _ in rules} == {"", ".spec.autoscaling", ".spec.placement.tolerations[]"}
     for path, node, rule in rules:
         for key in ("rule", "messageExpression"):
             if key in rule:
@@ -348,7 +348,43 @@ INVALID = [
     ("spec.router.prefixBlocks", "spec.router.prefixBlocks", 0),
     ("spec.autoscaling.maxReplicas", "spec.autoscaling", {"minReplicas": 1, "targetPerPod": 1}),
     ("spec.engine.replica", "spec.engine.replica", 3),  # a typo: pruned by the API server, refused by the model
+    # From a fresh-user review: values the real API server refuses when the operator applies the child (a 422 that
+    # left a half-applied InferenceService) or that end up on a command line.
+    ("spec.placement.tolerations[0].value", "spec.placement.tolerations",
+     [{"key": "gpu", "operator": "Exists", "value": "x"}]),
+    ("spec.placement.nodeSelector.zone", "spec.placement.nodeSelector", {"zone": "a b"}),
+    ("spec.model.hfTokenSecret", "spec.model.hfTokenSecret", "HF_Token"),
+    ("spec.placement.priorityClassName", "spec.placement.priorityClassName", "Inference_High"),
+    ("spec.engine.startupTimeoutSeconds", "spec.engine.startupTimeoutSeconds", 3_000_000_000),
+    ("spec.model.servedModelName", "spec.model.servedModelName", "--api-key"),
+    ("spec.model.tokenizer", "spec.model.tokenizer", "hf://a/tok"),
+    ("spec.imagePullSecrets", "spec.imagePullSecrets", ["Not_A_Name"]),
 ]
+
+# Refused by the operator's models (Degraded InvalidSpec, nothing applied) but not by the CRD: int-or-string nodes
+# take no pattern in a structural schema.
+OPERATOR_ONLY_INVALID = [
+    ("resources", "spec.engine.resources", {"limits": {"memory": "48 GB"}}, "not a Kubernetes quantity"),
+    ("maxUnavailable", "spec.disruptionBudget.maxUnavailable", "one", "percentage"),
+    ("maxUnavailable", "spec.disruptionBudget.maxUnavailable", -1, ">= 0"),
+    ("storageUri", "spec.model.storageUri", "s3://bucket/llama", "scheme s3:// is not supported"),
+    ("storageUri", "spec.model.storageUri", "hf://just-a-name", "expected hf://ORG/REPO[@REVISION]"),
+]
+
+
+@pytest.mark.parametrize("field,path,value,words", OPERATOR_ONLY_INVALID,
+                         ids=[f"{c[1]}={c[2]!r}" for c in OPERATOR_ONLY_INVALID])
+def test_operator_refuses_with_words_what_the_crd_cannot_check(field, path, value, words):
+    obj = _set(_demo(), path, copy.deepcopy(value))
+    with pytest.raises(pydantic.ValidationError) as exc:
+        spec.InferenceService.model_validate(obj)
+    assert field in str(exc.value) and words in str(exc.value)
+
+
+def test_valid_quantities_and_percentages_pass():
+    obj = _set(_demo(), "spec.engine.resources", {"limits": {"memory": "48Gi", "cpu": "1500m", "x": 2, "y": "1e3"}})
+    obj = _set(obj, "spec.disruptionBudget.maxUnavailable", "25%")
+    spec.InferenceService.model_validate(obj)
 
 
 @pytest.mark.parametrize("field,path,value", INVALID, ids=[f"{c[0]}={c[2]!r}" for c in INVALID])
@@ -397,3 +433,18 @@ def test_validator_handles_kind_version_nulls_and_int_or_string(crd):
     obj = _demo()
     obj["spec"]["engine"]["resources"]["limits"]["memory"] = {"Gi": 2}
     assert any(e.startswith("spec.engine.resources.limits.memory") for e in validate_custom_object(obj, crd))
+
+
+def test_name_ending_in_engine_is_refused_by_crd_and_operator(crd):
+    """Regression (break-it review): InferenceService "a-engine"'s router Service "a-engine" is InferenceService
+    "a"'s headless engine Service; the second one got stuck half-applied with no status."""
+    obj = _demo()
+    obj["metadata"]["name"] = "a-engine"
+    errors = validate_custom_object(obj, crd)
+    assert len(errors) == 1 and "-engine" in errors[0], errors
+    with pytest.raises(ValueError, match="engine Service"):
+        spec.check_name("a-engine")
+    for ok in ("a", "engine", "a-engines", "a-router"):
+        spec.check_name(ok)
+        obj["metadata"]["name"] = ok
+        assert validate_custom_object(obj, crd) == []

@@ -84,6 +84,8 @@ SPECS: dict[str, dict[str, Any]] = {
                    "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}}},
     },
     "router-zero": {"model": {"storageUri": "file:///models/m"}, "router": {"replicas": 0}, "replicas": 0},
+    "pull-secrets": {"model": {"storageUri": "hf://org/repo"}, "imagePullSecrets": ["regcred", "mirror.creds"],
+                     "engine": {"resources": {"limits": {"cpu": "1500m", "memory": "4Gi"}}}},
     **{f"router-{policy}": {"model": {"storageUri": "file:///models/m"},
                             "router": {"policy": policy, "prefixBlocks": 4, "loadFactor": 2}}
        for policy in ROUTER_POLICIES},
@@ -630,3 +632,44 @@ def test_router_probe_path_is_served_by_the_router() -> None:
     app = create_app(RouterArgs(worker_urls=["http://127.0.0.1:1"]))
     paths = {getattr(r, "path", None) for r in app.routes}
     assert constants.ROUTER_HEALTH_PATH in paths and constants.ROUTER_HEALTH_PATH in _OPEN_PATHS
+
+
+def test_image_pull_secrets_reach_engine_router_and_init_containers_pods() -> None:
+    """A private registry (fresh-user review: ImagePullBackOff for every engine and router pod)."""
+    children = render_children(make_isvc(SPECS["pull-secrets"]), OPTIONS)
+    for dep_name in (constants.engine_deployment_name("llm"), constants.router_deployment_name("llm")):
+        pod = get(children, "Deployment", dep_name)["spec"]["template"]["spec"]
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror.creds"}]
+    plain = render_children(make_isvc(SPECS["demo"]), OPTIONS)
+    assert all("imagePullSecrets" not in get(plain, "Deployment", d)["spec"]["template"]["spec"]
+               for d in (constants.engine_deployment_name("llm"), constants.router_deployment_name("llm")))
+
+
+@pytest.mark.parametrize("resources,threads", [
+    ({"limits": {"cpu": "2"}}, 2),
+    ({"limits": {"cpu": "1500m"}}, 1),
+    ({"limits": {"cpu": "250m"}}, 1),
+    ({"requests": {"cpu": 4}}, 4),
+    ({"requests": {"cpu": "8"}, "limits": {"cpu": "3"}}, 3),  # the limit is the quota
+    ({"limits": {"cpu": "8", "nvidia.com/gpu": 1}}, None),  # GPU engines: torch threads do not matter
+    ({"limits": {"memory": "1Gi"}}, None),
+    (None, None),
+])
+def test_cpu_engines_get_threads_from_their_cpu_figure(resources, threads) -> None:
+    """torch starts a thread per host core; under a 2-CPU quota on a 64-core node that throttles the engine."""
+    spec = {"model": {"storageUri": "file:///models/m"}}
+    if resources is not None:
+        spec["engine"] = {"resources": resources}
+    c = container(get(render_children(make_isvc(spec), OPTIONS), "Deployment", constants.engine_deployment_name("llm")),
+                  ENGINE_CONTAINER)
+    if threads is None:
+        assert "--num-threads" not in c["args"]
+    else:
+        assert c["args"][c["args"].index("--num-threads") + 1] == str(threads)
+
+
+def test_headless_service_sends_no_zero_values_the_server_omits() -> None:
+    """Regression: publishNotReadyAddresses False is omitted by a real API server (omitempty), so comparing it with
+    the live Service patched it on every resync."""
+    svc = get(render_children(make_isvc(SPECS["demo"]), OPTIONS), "Service", constants.engine_deployment_name("llm"))
+    assert "publishNotReadyAddresses" not in svc["spec"]

@@ -8,9 +8,11 @@ from radixserve import constants
 from radixserve.cli import build_parser, main, resolve_model_path
 
 
-def test_not_implemented_subcommands_exit_2(capsys):
-    assert main(["operator", "--whatever"]) == 2
-    assert "issue 5" in capsys.readouterr().err
+def test_operator_with_an_unknown_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["operator", "-A", "--whatever"])
+    assert exc.value.code == 2
+    assert "--whatever" in capsys.readouterr().err
 
 
 def test_router_without_workers_is_a_clear_usage_error(capsys):
