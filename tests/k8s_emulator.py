@@ -15,7 +15,16 @@ Added here, as the real kube-apiserver does it:
 - ``/api/v1/namespaces`` is the namespaces resource (kmock 0.8's path parser raised on it, so kopf watching named
   namespaces never started).
 
-Still as kmock (not needed yet): label/field selectors, pagination and dryRun are ignored; no PUT, no validation, no
+- ``?dryRun=All`` on POST/PATCH/DELETE answers as the write would (errors included: 409, 404, 422 from faults) but
+  stores nothing, takes no resourceVersion and emits no watch event;
+- ``omit_empty=True`` (constructor option): objects of built-in kinds (core and ``*.k8s.io``-less groups without a
+  dot, and ``*.k8s.io``) are returned as a real server serialises ``omitempty`` fields: zero values (false, "",
+  empty lists and maps) left out, except inside maps (labels, annotations, data, selectors keep their "" values).
+  Custom resources keep what was written, as for CRDs. The number 0 is kept (``replicas: 0`` is a pointer field).
+- ``fail(...)``: make writes matching a predicate answer an error (403, 422, 500, ...), e.g. an admission webhook or
+  RBAC refusing; the request is still logged.
+
+Still as kmock (not needed yet): label/field selectors and pagination are ignored; no PUT, no validation, no
 garbage collection or controllers. Tests may change storage behind the server's back with ``emulator.objects`` (no
 watch event), e.g. to simulate an event a client never saw.
 
@@ -31,7 +40,7 @@ import copy
 import datetime
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
@@ -77,6 +86,32 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return result
 
 
+# Fields whose value is a map[string]string (or similar): their entries keep "" values when serialised.
+_MAP_FIELDS = frozenset({"labels", "annotations", "data", "binaryData", "stringData", "nodeSelector", "matchLabels",
+                         "selector"})
+
+
+def strip_empty(value: Any, in_map: bool = False) -> Any:
+    """``value`` as a real API server returns a built-in object: struct fields holding false, "", [] or {} left out
+    (Go's ``omitempty``), recursively; entries of maps (``_MAP_FIELDS``) keep their values. Numbers are kept."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            item = strip_empty(item, key in _MAP_FIELDS and isinstance(item, dict))
+            if not in_map and (item is False or item == "" or item == [] or item == {}):
+                continue
+            out[key] = item
+        return out
+    if isinstance(value, list):
+        return [strip_empty(item) for item in value]
+    return value
+
+
+def _builtin(resource: Any) -> bool:
+    group = getattr(resource, "group", "") or ""
+    return "." not in group or group.endswith(".k8s.io")
+
+
 def _error(status: int, reason: str, message: str, **details: Any) -> kmock.KubernetesError:
     # details given, so kmock does not put a server traceback into the Status.
     return kmock.KubernetesError(status=status, reason=reason, message=message, details=details or {"causes": []})
@@ -93,6 +128,45 @@ class K8sEmulator(kmock.KubernetesEmulator):
     _compacted_rv: int = attrs.field(default=0, init=False)
     # What a create/patch/delete request answers (the object as stored by _handle), keyed weakly by the request.
     _answers: weakref.WeakKeyDictionary = attrs.field(factory=weakref.WeakKeyDictionary, init=False)
+    # Serialise built-in objects as a real server does: omitempty zero values left out (module doc).
+    omit_empty: bool = False
+    # Injected failures: each returns an error for a write request it matches, else None (see fail()).
+    _faults: list[Callable[[kmock.Request], Any]] = attrs.field(factory=list, init=False)
+
+    def fail(self, status: int, reason: str, message: str, *, method: str | None = None,
+             plural: str | None = None, name: str | None = None, dry_run: bool | None = None,
+             times: int | None = None) -> None:
+        """Answer ``status``/``reason``/``message`` (a Kubernetes Status) to writes (POST, PATCH, DELETE) matching
+        ``method``, resource ``plural``, object ``name`` (for POST: the body's metadata.name) and ``dry_run`` (None:
+        both), at most ``times`` times (None: always), before anything is stored."""
+        remaining = [times]
+
+        def fault(request: kmock.Request) -> Any:
+            verb = getattr(request.method, "value", str(request.method)).upper()
+            if verb not in ("POST", "PATCH", "DELETE") or request.resource is None:
+                return None
+            target = request.name
+            if target is None and isinstance(request.data, dict):
+                target = (request.data.get("metadata") or {}).get("name")
+            if ((method is not None and verb != method.upper())
+                    or (plural is not None and request.resource.plural != plural)
+                    or (name is not None and target != name)
+                    or (dry_run is not None and _dry_run(request) != dry_run)):
+                return None
+            if remaining[0] is not None:
+                if remaining[0] <= 0:
+                    return None
+                remaining[0] -= 1
+            return _error(status, reason, message, name=target or "", kind=request.resource.plural)
+
+        self._faults.append(fault)
+
+    def clear_faults(self) -> None:
+        self._faults.clear()
+
+    def _out(self, resource: Any, raw: dict[str, Any]) -> dict[str, Any]:
+        """What the server stores/returns for ``raw`` (omit_empty applied to built-in kinds)."""
+        return strip_empty(raw) if self.omit_empty and _builtin(resource) else raw
 
     @property
     def resource_version(self) -> int:
@@ -126,13 +200,18 @@ class K8sEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> Any:
         gc_key = None
         if request.resource is not None and request.action in (action.CREATE, action.UPDATE, action.DELETE):
+            for fault in list(self._faults):
+                error = fault(request)
+                if error is not None:
+                    raise error
+            dry = _dry_run(request)
             async with self._lock:
                 if request.action == action.CREATE:
-                    self._answers[request] = await self._create(request)
+                    self._answers[request] = await self._create(request, dry)
                 elif request.name is not None and request.action == action.UPDATE:
-                    self._answers[request], gc_key = await self._patch(request)
+                    self._answers[request], gc_key = await self._patch(request, dry)
                 elif request.name is not None and request.action == action.DELETE:
-                    self._answers[request] = await self._delete(request)
+                    self._answers[request] = await self._delete(request, dry)
         try:
             # Skip KubernetesEmulator._handle (its unstamped state changes); serve reactions and fallbacks as usual.
             return await super(kmock.KubernetesEmulator, self)._handle(request)
@@ -147,8 +226,9 @@ class K8sEmulator(kmock.KubernetesEmulator):
                         obj.delete()
                         await self._emit(gc_key[0], "DELETED", raw)
 
-    async def _create(self, request: kmock.Request) -> dict[str, Any]:
+    async def _create(self, request: kmock.Request, dry: bool = False) -> dict[str, Any]:
         raw = copy.deepcopy(request.data) if isinstance(request.data, dict) else {}
+        raw = self._out(request.resource, raw)
         meta = raw.setdefault("metadata", {})
         info = self._info(request.resource)
         namespace = request.namespace or meta.get("namespace")
@@ -167,9 +247,11 @@ class K8sEmulator(kmock.KubernetesEmulator):
             uid=str(uuid.uuid4()),
             creationTimestamp=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             generation=1,
-            resourceVersion=self._next_rv(),
         )
         meta.pop("deletionTimestamp", None)
+        if dry:  # as the real server: the object as it would be, no resourceVersion, nothing stored
+            return raw
+        meta["resourceVersion"] = self._next_rv()
         if key in self.objects:
             self.objects[key].create(raw)
         else:
@@ -184,7 +266,7 @@ class K8sEmulator(kmock.KubernetesEmulator):
                          name=request.name, kind=request.resource.plural)
         return key, self.objects[key]
 
-    async def _patch(self, request: kmock.Request) -> tuple[dict[str, Any], Any]:
+    async def _patch(self, request: kmock.Request, dry: bool = False) -> tuple[dict[str, Any], Any]:
         key, obj = self._existing(request)
         old = copy.deepcopy(obj.raw)
         patch = request.data
@@ -207,6 +289,7 @@ class K8sEmulator(kmock.KubernetesEmulator):
                          name=request.name, kind=request.resource.plural) from None
         if not isinstance(new, dict):
             raise _error(422, "Invalid", "the patched object is not a JSON object")
+        new = self._out(request.resource, new)
 
         info = self._info(request.resource)
         has_status = info is not None and "status" in (info.subresources or ())
@@ -229,18 +312,20 @@ class K8sEmulator(kmock.KubernetesEmulator):
         body = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
         if body(new) != body(old):
             meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
+        if dry:
+            return new, None
         meta["resourceVersion"] = self._next_rv()
         obj.history.append(new)
         await self._emit(request.resource, "MODIFIED", new)
         gc_key = key if meta.get("deletionTimestamp") and not meta.get("finalizers") else None
         return new, gc_key
 
-    async def _delete(self, request: kmock.Request) -> dict[str, Any]:
+    async def _delete(self, request: kmock.Request, dry: bool = False) -> dict[str, Any]:
         key, obj = self._existing(request)
         raw = copy.deepcopy(obj.raw)
         meta = raw["metadata"]
-        if meta.get("deletionTimestamp"):
-            return raw  # already being deleted: waits for its finalizers
+        if meta.get("deletionTimestamp") or dry:
+            return raw  # already being deleted (waits for its finalizers), or a dry run
         if meta.get("finalizers"):
             meta["deletionTimestamp"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             meta["deletionGracePeriodSeconds"] = 0
@@ -329,6 +414,11 @@ class K8sEmulator(kmock.KubernetesEmulator):
                     yield event
         finally:
             await bus.unmark(mark)
+
+
+def _dry_run(request: kmock.Request) -> bool:
+    """``?dryRun=All`` (the only value the API defines)."""
+    return (request.params or {}).get("dryRun") == "All"
 
 
 def write_kubeconfig(path: Any, server_url: str) -> str:

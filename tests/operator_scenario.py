@@ -160,12 +160,23 @@ class OperatorHarness:
         return list(self.emu)[since:]
 
 
+def is_dry_run(request: Any) -> bool:
+    """A request sent with ``?dryRun=All`` (validated by the server, nothing stored)."""
+    return (request.params or {}).get("dryRun") == "All"
+
+
 def writes(requests: list[Any], method: str, plural: str | None = None, name: str | None = None,
-           subresource: str | None = "") -> list[Any]:
-    """Requests of ``method`` (PATCH, POST, DELETE) to ``plural``/``name``; ``subresource=""``: the main resource."""
+           subresource: str | None = "", dry_run: bool | None = False) -> list[Any]:
+    """Requests of ``method`` (PATCH, POST, DELETE) to ``plural``/``name`` (for POST: the body's name);
+    ``subresource=""``: the main resource; ``dry_run``: False (default) the real writes only, True the dry runs
+    only, None both."""
+    def target(r: Any) -> Any:
+        return r.name if r.name is not None or not isinstance(r.data, dict) else (r.data.get("metadata") or {}).get(
+            "name")
     return [r for r in requests if r.method == method and r.resource is not None
-            and (plural is None or r.resource.plural == plural) and (name is None or r.name == name)
-            and (subresource is None or (r.subresource or "") == subresource)]
+            and (plural is None or r.resource.plural == plural) and (name is None or target(r) == name)
+            and (subresource is None or (r.subresource or "") == subresource)
+            and (dry_run is None or is_dry_run(r) == dry_run)]
 
 
 def api_calls(emulator: Any) -> set[tuple[str, str, str]]:
