@@ -9,9 +9,20 @@ No PUT and no server-side apply (neither works everywhere the operator is tested
   last applied manifest (annotation ``LAST_APPLIED_ANNOTATION``) that ``desired`` no longer has. No difference -> no
   request at all.
 - ``prune(api, owner_uid, desired, live)``: deletes live children owned by ``owner_uid`` that are no longer desired.
-- Every call retries 409 Conflict (create: the object appeared meanwhile -> re-read and patch), 429 and 5xx and
-  connection errors with bounded exponential backoff (``RetryPolicy``); what still fails is raised as
+- Two phases, so that a change the API server refuses leaves nothing half-applied: ``plan`` computes every create,
+  patch and delete from the live objects (an existing object of a desired name that this InferenceService does not
+  control is a conflict: it is never taken over), then ``execute`` sends each change with ``dryRun=All`` (the API
+  server validates, runs admission and RBAC, persists nothing) and, only when every dry run passed, for real.
+- Errors: a 4xx the API server will answer again (400, 403, 422, ..., and a create meeting a foreign object) raises
+  ``ApplyRejected`` at once (no retry: the caller reports it in the status and tries again at its next resync);
+  409 Conflict (create: the object appeared meanwhile -> re-read and patch; patch: it changed meanwhile -> re-read)
+  and 404 on a patch (it went away -> create) are re-planned from a fresh read; 429, 5xx and connection errors are
+  retried with bounded exponential backoff (``RetryPolicy``), and what still fails is raised as
   ``kopf.TemporaryError`` so kopf retries the handler later.
+- Zero values: a real API server omits the zero value of an ``omitempty`` field (false, "", empty list or map) when
+  it returns an object, so a desired zero value equals an absent live field (``is_empty``; the number 0 is not
+  "empty": ``replicas: 0`` is compared as usual). The cost: a hand edit that removes a desired ``false`` from a
+  field whose default is true is not seen as drift.
 
 Lists are replaced as a whole when they differ (merge-patch semantics); strategic merge is not used because custom
 resources do not support it and the emulator treats it as a plain merge.
@@ -40,6 +51,11 @@ __all__ = [
     "RetryPolicy",
     "KubeApi",
     "ApplyResult",
+    "ApplyRejected",
+    "Change",
+    "plan",
+    "execute",
+    "is_empty",
     "merge_patch_for",
     "quantity",
     "subset_equal",
@@ -50,6 +66,7 @@ __all__ = [
 
 LAST_APPLIED_ANNOTATION = f"{constants.API_GROUP}/last-applied"
 MERGE_PATCH = "application/merge-patch+json"
+DRY_RUN = [("dryRun", "All")]
 log = logging.getLogger("radixserve.operator.apply")
 
 
@@ -159,19 +176,22 @@ class KubeApi:
         return [item for item in items
                 if all((item.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in labels.items())]
 
-    def create(self, rtype: ResourceType, namespace: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        return self.request("POST", self.path(rtype, namespace), body=body)
+    def create(self, rtype: ResourceType, namespace: str | None, body: dict[str, Any], *,
+               dry_run: bool = False) -> dict[str, Any]:
+        """POST; ``dry_run``: ``?dryRun=All`` (validated, admitted and authorised, not persisted)."""
+        return self.request("POST", self.path(rtype, namespace), body=body, query=DRY_RUN if dry_run else None)
 
     def merge_patch(self, rtype: ResourceType, namespace: str | None, name: str, patch: dict[str, Any],
-                    subresource: str | None = None) -> dict[str, Any]:
+                    subresource: str | None = None, *, dry_run: bool = False) -> dict[str, Any]:
+        """PATCH (JSON merge patch); ``dry_run`` as for ``create``."""
         return self.request("PATCH", self.path(rtype, namespace, name, subresource), body=patch,
-                            content_type=MERGE_PATCH)
+                            content_type=MERGE_PATCH, query=DRY_RUN if dry_run else None)
 
-    def delete(self, rtype: ResourceType, namespace: str | None, name: str) -> None:
+    def delete(self, rtype: ResourceType, namespace: str | None, name: str, *, dry_run: bool = False) -> None:
         """Delete with background propagation (the garbage collector removes what the object owns); a 404 is
-        success."""
+        success. ``dry_run`` as for ``create``."""
         try:
-            self.request("DELETE", self.path(rtype, namespace, name),
+            self.request("DELETE", self.path(rtype, namespace, name), query=DRY_RUN if dry_run else None,
                          body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"})
         except ApiException as exc:
             if exc.status != 404:
@@ -180,7 +200,8 @@ class KubeApi:
 
 # --- comparing desired with live --------------------------------------------------------------------------------
 
-_QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$")
+# number, then a decimal exponent (e3, E-2) OR a suffix; "E" alone is the exa suffix, not an exponent.
+_QUANTITY_RE = re.compile(r"^([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:[eE]([+-]?[0-9]+)|([KMGTPE]i|[numkMGTPE]))?$")
 _SUFFIXES = {
     "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
     "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"), "P": Decimal("1e15"),
@@ -194,7 +215,9 @@ _QUANTITY_KEYS = frozenset({"averageValue", "sizeLimit"})
 
 
 def quantity(value: Any) -> Decimal | None:
-    """A Kubernetes quantity (``"500m"``, ``"2Gi"``, ``"1e3"``, ``1``) as an exact Decimal; None if it is not one."""
+    """A Kubernetes quantity (``"500m"``, ``"2Gi"``, ``"1e3"``, ``"1E"`` (exa), ``1``) as an exact Decimal; None if it
+    is not one. Grammar: k8s.io/apimachinery/pkg/api/resource (decimal SI n u m k M G T P E, binary Ki..Ei, or a
+    decimal exponent e/E followed by digits)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
@@ -208,23 +231,38 @@ def quantity(value: Any) -> Decimal | None:
         number = Decimal(m.group(1))
     except InvalidOperation:
         return None
-    suffix = m.group(2) or ""
-    if suffix[:1] in "eE" and suffix:
-        return number * Decimal(10) ** int(suffix[1:])
-    return number * _SUFFIXES[suffix]
+    if m.group(2) is not None:
+        return number.scaleb(int(m.group(2)))
+    return number * _SUFFIXES[m.group(3) or ""]
 
 
 def _is_quantity_path(path: tuple[str, ...]) -> bool:
     return bool(path) and (path[-1] in _QUANTITY_KEYS or (len(path) > 1 and path[-2] in _QUANTITY_PARENTS))
 
 
+def is_empty(value: Any) -> bool:
+    """True for what a real API server leaves out of an object it returns (``omitempty`` zero values): None, False,
+    "", and lists/maps that are empty or hold only such values. The number 0 is not empty (``replicas: 0``)."""
+    if value is None or value is False or value == "":
+        return True
+    if isinstance(value, dict):
+        return all(is_empty(v) for v in value.values())
+    if isinstance(value, list):
+        return not value
+    return False
+
+
 def subset_equal(desired: Any, live: Any, path: tuple[str, ...] = ()) -> bool:
     """True when every field of ``desired`` is in ``live`` with an equal value (dicts recursively; lists element by
-    element with equal lengths; quantities by value). Extra fields of ``live`` do not count."""
+    element with equal lengths; quantities by value). Extra fields of ``live`` do not count, and a desired empty
+    value (``is_empty``) equals an absent live field."""
     if isinstance(desired, dict):
+        if live is None and is_empty(desired):
+            return True
         if not isinstance(live, dict):
             return False
-        return all(value is None and key not in live or key in live and subset_equal(value, live[key], (*path, key))
+        return all(is_empty(value) and live.get(key) is None
+                   or key in live and subset_equal(value, live[key], (*path, key))
                    for key, value in desired.items())
     if isinstance(desired, list):
         return (isinstance(live, list) and len(desired) == len(live)
@@ -250,6 +288,8 @@ def _patch_dict(desired: dict, live: dict, last: dict | None, path: tuple[str, .
                 patch[key] = sub
         elif isinstance(value, list) and last is not None and last_value is not None and value != last_value:
             patch[key] = value  # changed since the last apply: replace the list (drops removed elements' fields)
+        elif live_value is None and is_empty(value):
+            continue  # omitted by the server as a zero value: not drift
         elif key not in live or not subset_equal(value, live_value, (*path, key)):
             patch[key] = value
     if isinstance(last, dict):  # fields we applied before and no longer want
@@ -312,13 +352,60 @@ def _controller_uid(obj: dict[str, Any]) -> str | None:
     return None
 
 
-# --- apply and prune --------------------------------------------------------------------------------------------
+# --- plan, apply and prune --------------------------------------------------------------------------------------
+
+
+class ApplyRejected(Exception):
+    """A child write that retrying will not fix: the API server answered a 4xx other than 404/409/429 (400 bad
+    request, 403 forbidden, 422 invalid, ...) or a desired name is taken by an object this InferenceService does not
+    control. ``reason``: the status condition reason (``ChildConflict``, ``Forbidden``, ``ApplyRejected``);
+    ``http_status``: the HTTP status (409 for a conflict); ``kind``, ``name``: the child; ``str(exc)``: a message for
+    the status and the Event (names ``Kind/name`` and carries the API server's own message)."""
+
+    def __init__(self, reason: str, http_status: int, kind: str, name: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.http_status = http_status
+        self.kind = kind
+        self.name = name
+
+
+def _rejected(exc: ApiException, verb: str, rtype: ResourceType, name: str) -> ApplyRejected:
+    reason = "Forbidden" if exc.status == 403 else "ApplyRejected"
+    return ApplyRejected(reason, exc.status or 400, rtype.kind, name,
+                         f"{verb} {rtype.kind}/{name}: {_describe(exc)}")
+
+
+def _final_4xx(exc: Exception) -> bool:
+    return isinstance(exc, ApiException) and 400 <= (exc.status or 0) < 500 and exc.status not in (404, 409, 429)
+
+
+def _backoff(api: KubeApi, exc: Exception, what: str, attempt: int) -> None:
+    """Sleep before the next try of a retryable failure; raise kopf.TemporaryError when the tries are spent."""
+    if attempt >= api.retry.attempts - 1:
+        raise kopf.TemporaryError(f"{what}: {_describe(exc)}", delay=api.retry.handler_delay_s) from exc
+    delay = min(api.retry.max_delay_s, api.retry.base_delay_s * 2 ** attempt)
+    log.info("%s: %s; retrying in %.1f s", what, _describe(exc), delay)
+    time.sleep(delay)
+
+
+def _check_controller(rtype: ResourceType, desired: dict[str, Any], live: dict[str, Any]) -> None:
+    """Raise ApplyRejected(ChildConflict) when ``live`` is not controlled by ``desired``'s controller."""
+    owner = _controller_uid(desired)
+    live_owner = _controller_uid(live)
+    if owner is None or live_owner == owner:
+        return
+    name = desired["metadata"]["name"]
+    who = f"controller uid {live_owner}" if live_owner else "no controller ownerReference"
+    raise ApplyRejected("ChildConflict", 409, rtype.kind, name,
+                        f"{rtype.kind}/{name} already exists and is not controlled by this InferenceService "
+                        f"({who}); it is left alone: delete or rename it")
 
 
 @dataclass
 class ApplyResult:
-    """What ``apply`` did: ``action`` is "created", "patched" or "unchanged"; ``obj`` the object as stored now;
-    ``patch`` the merge patch sent (None unless patched)."""
+    """What ``apply`` did: ``action`` is "created", "patched", "unchanged" or "deleted"; ``obj`` the object as stored
+    now (as it would be stored, for a dry run); ``patch`` the merge patch sent (None unless patched)."""
 
     action: str
     obj: dict[str, Any]
@@ -326,43 +413,42 @@ class ApplyResult:
 
 
 def apply(api: KubeApi, rtype: ResourceType, desired: dict[str, Any],
-          live: dict[str, Any] | None | type[Ellipsis] = ...) -> ApplyResult:
+          live: dict[str, Any] | None | type[Ellipsis] = ..., *, dry_run: bool = False) -> ApplyResult:
     """Bring one child to ``desired`` (module doc). ``live`` is the object as last read (None: known absent; omitted:
-    read it now). Raises kopf.TemporaryError when the API keeps failing, or when an object of that name exists and is
-    controlled by another owner (it is never taken over)."""
+    read it now); ``dry_run``: send the write with ``dryRun=All``. Raises ApplyRejected for a 4xx the server will
+    repeat or when an object of that name exists and is controlled by another owner (it is never taken over), and
+    kopf.TemporaryError when the API keeps failing (429, 5xx, connection)."""
     meta = desired["metadata"]
     namespace, name = meta.get("namespace"), meta["name"]
     what = f"{rtype.kind} {namespace}/{name}"
     if live is ...:
         live = api.call(f"get {what}", api.get, rtype, namespace, name)
-    owner = _controller_uid(desired)
     for attempt in range(api.retry.attempts):
+        verb = "create" if live is None else "patch"
         try:
             if live is None:
                 body = {**desired, "metadata": {**meta, "annotations": {
                     **(meta.get("annotations") or {}), LAST_APPLIED_ANNOTATION: last_applied_record(desired)}}}
-                return ApplyResult("created", api.create(rtype, namespace, body))
-            live_owner = _controller_uid(live)
-            if owner is not None and live_owner != owner:
-                raise kopf.TemporaryError(
-                    f"{what} exists but is not controlled by this InferenceService (controller uid {live_owner}); "
-                    "delete or rename it", delay=api.retry.handler_delay_s * 6)
+                return ApplyResult("created", api.create(rtype, namespace, body, dry_run=dry_run))
+            _check_controller(rtype, desired, live)
             patch = merge_patch_for(desired, live)
             if not patch:
                 return ApplyResult("unchanged", live)
             # Optimistic concurrency: the patch applies only to the version compared against (else 409, re-read).
             patch.setdefault("metadata", {})["resourceVersion"] = live["metadata"].get("resourceVersion")
-            return ApplyResult("patched", api.merge_patch(rtype, namespace, name, patch), patch)
+            return ApplyResult("patched", api.merge_patch(rtype, namespace, name, patch, dry_run=dry_run), patch)
         except (ApiException, Urllib3Error, OSError) as exc:
-            # 409 on create: it appeared meanwhile; on patch: it changed meanwhile; 404 on patch: it went away.
-            # All three: re-read and try again (no sleep needed for a 409/404, the next read sees the new state).
-            conflict = isinstance(exc, ApiException) and exc.status in (404, 409)
-            if not (conflict or _retryable(exc)) or attempt == api.retry.attempts - 1:
-                raise kopf.TemporaryError(f"apply {what}: {_describe(exc)}", delay=api.retry.handler_delay_s) from exc
-            if not conflict:
-                delay = min(api.retry.max_delay_s, api.retry.base_delay_s * 2 ** attempt)
-                log.info("apply %s: %s; retrying in %.1f s", what, _describe(exc), delay)
-                time.sleep(delay)
+            if _final_4xx(exc) or (verb == "create" and getattr(exc, "status", None) == 404):
+                raise _rejected(exc, verb, rtype, name) from exc  # 404 on create: the namespace is gone
+            # 409 on create: it appeared meanwhile (ours -> patch it; someone else's -> ChildConflict on re-read);
+            # on patch: it changed meanwhile; 404 on patch: it went away. All: re-read and plan again, no sleep.
+            replan = isinstance(exc, ApiException) and exc.status in (404, 409)
+            if replan:
+                if attempt == api.retry.attempts - 1:
+                    raise kopf.TemporaryError(f"{verb} {what}: {_describe(exc)}",
+                                              delay=api.retry.handler_delay_s) from exc
+            else:
+                _backoff(api, exc, f"{verb} {what}", attempt)
             live = api.call(f"get {what}", api.get, rtype, namespace, name)
     raise AssertionError("unreachable")
 
@@ -372,19 +458,85 @@ def last_applied_record(desired: dict[str, Any]) -> str:
     return json.dumps(_managed_view(desired), sort_keys=True, separators=(",", ":"))
 
 
+def _delete(api: KubeApi, rtype: ResourceType, obj: dict[str, Any], dry_run: bool) -> ApplyResult:
+    meta = obj.get("metadata") or {}
+    what = f"{rtype.kind} {meta.get('namespace')}/{meta['name']}"
+    for attempt in range(api.retry.attempts):
+        try:
+            api.delete(rtype, meta.get("namespace"), meta["name"], dry_run=dry_run)
+            return ApplyResult("deleted", obj)
+        except (ApiException, Urllib3Error, OSError) as exc:
+            if _final_4xx(exc) or getattr(exc, "status", None) == 409:
+                raise _rejected(exc, "delete", rtype, meta["name"]) from exc
+            _backoff(api, exc, f"delete {what}", attempt)
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class Change:
+    """One planned step for one child: ``action`` "create", "patch", "delete" or "unchanged"; ``desired`` (None for
+    a delete) and ``live`` (None for a create) as planned."""
+
+    rtype: ResourceType
+    action: str
+    name: str
+    desired: dict[str, Any] | None
+    live: dict[str, Any] | None
+
+
+def plan(rtype: ResourceType, desired: list[dict[str, Any]], live: list[dict[str, Any]],
+         owner_uid: str | None) -> list[Change]:
+    """The changes that bring the children of one kind from ``live`` (listed by the InferenceService label) to
+    ``desired``: create what is absent, patch what differs, keep what matches, delete what ``owner_uid`` owns and no
+    longer desires (objects owned by someone else are left alone even when they carry the label). No API call.
+    Raises ApplyRejected(ChildConflict) when a desired name is taken by an object this owner does not control."""
+    by_name = {o["metadata"]["name"]: o for o in live}
+    changes = []
+    for child in desired:
+        name = child["metadata"]["name"]
+        current = by_name.get(name)
+        if current is None:
+            changes.append(Change(rtype, "create", name, child, None))
+            continue
+        _check_controller(rtype, child, current)
+        action = "patch" if merge_patch_for(child, current) else "unchanged"
+        changes.append(Change(rtype, action, name, child, current))
+    wanted = {c["metadata"]["name"] for c in desired}
+    for obj in live:
+        meta = obj.get("metadata") or {}
+        if (meta.get("name") in wanted or meta.get("deletionTimestamp") or owner_uid is None
+                or not is_owned_by(obj, owner_uid)):
+            continue
+        changes.append(Change(rtype, "delete", meta["name"], None, obj))
+    return changes
+
+
+def execute(api: KubeApi, changes: list[Change], *, dry_run: bool,
+            on_result: Any = None) -> list[ApplyResult]:
+    """Send ``changes`` in order (``dry_run``: each with ``dryRun=All``; nothing persists). ``on_result(change,
+    result)`` is called after each (e.g. to post an Event as each child is created). Raises ApplyRejected or
+    kopf.TemporaryError (``apply``) at the first change that fails; the ones before it were sent."""
+    results = []
+    for change in changes:
+        if change.action == "unchanged":
+            result = ApplyResult("unchanged", change.live or {})
+        elif change.action == "delete":
+            result = _delete(api, change.rtype, change.live or {}, dry_run)
+        else:
+            result = apply(api, change.rtype, change.desired or {}, change.live, dry_run=dry_run)
+        results.append(result)
+        if on_result is not None:
+            on_result(change, result)
+    return results
+
+
 def prune(api: KubeApi, rtype: ResourceType, owner_uid: str | None, desired_names: set[str],
           live: list[dict[str, Any]]) -> list[str]:
     """Delete the objects of ``live`` (children of one kind, already selected by the InferenceService label) that are
-    owned by ``owner_uid`` and not in ``desired_names``; returns their names. Objects owned by someone else are
-    left alone even when they carry the label."""
-    deleted = []
-    for obj in live:
-        meta = obj.get("metadata") or {}
-        if meta.get("name") in desired_names or meta.get("deletionTimestamp") or owner_uid is None:
-            continue
-        if not is_owned_by(obj, owner_uid):
-            continue
-        api.call(f"delete {rtype.kind} {meta.get('namespace')}/{meta['name']}", api.delete, rtype,
-                 meta.get("namespace"), meta["name"])
-        deleted.append(meta["name"])
-    return deleted
+    owned by ``owner_uid`` and not in ``desired_names``; returns their names (``plan``'s delete rule, no dry run).
+    Raises ApplyRejected or kopf.TemporaryError as ``execute``."""
+    deletes = [Change(rtype, "delete", o["metadata"]["name"], None, o) for o in live
+               if o["metadata"]["name"] not in desired_names and not o["metadata"].get("deletionTimestamp")
+               and owner_uid is not None and is_owned_by(o, owner_uid)]
+    execute(api, deletes, dry_run=False)
+    return [c.name for c in deletes]

@@ -8,16 +8,28 @@ Triggers (``build_registry``), all ending in ``Reconciler.reconcile``:
 - ``@kopf.timer`` every ``resync_seconds``: drift repair (a hand-edited or deleted child comes back) and status that
   follows the pods even when no watch event was seen;
 - ``@kopf.on.event`` for every child kind labelled ``radixserve.io/inference-service``: a child changed or deleted by
-  someone else reconciles its owner within seconds. Events caused by the operator's own writes are recognised by
-  resourceVersion and skipped, and bursts are coalesced per InferenceService (at most one reconcile waiting while one
-  runs), so creating nine children does not cause nine more reconciles.
+  someone else reconciles its owner within seconds. Events that cannot matter are skipped: the operator's own writes
+  (recognised by resourceVersion, and its own prune deletions), and writes that changed only the ``status`` of a
+  kind other than Deployment (an HPA's controller rewrites its status every ~15 s). Deployment events always count:
+  their status feeds the InferenceService's. "Only status changed" is decided by comparing everything but status
+  and server-written metadata (``_fingerprint``), not ``metadata.generation``: the same rule then serves kinds that
+  have no generation (ConfigMap, Service, ServiceAccount, RBAC) and catches hand-edited labels, which bump none.
+  Bursts are coalesced per InferenceService (at most one reconcile waiting while one runs), so creating nine
+  children does not cause nine more reconciles. Per-InferenceService state is only created for an owner that exists.
 
 A reconcile: parse (``InferenceService.model_validate``; a pydantic or render error -> status from
 ``invalid_spec_status``, a Warning Event on the transition, nothing applied, no retry: an invalid spec is the user's to
-fix and kopf retrying it would only repeat the same message), render, apply each child (``apply.apply``), prune
-children no longer desired, read back the Deployments and the engine Service's EndpointSlices, and patch ``status``
-through the status subresource when it changed (``status.compute_status`` with the previous conditions). Events are
-posted on transitions only: children created or deleted, Ready gained or lost, Degraded raised (InvalidSpec included).
+fix and kopf retrying it would only repeat the same message; logged at WARNING once per distinct message), render,
+list the live children, plan every create/patch/delete (``apply.plan``), send each write with ``dryRun=All`` and
+only when all pass for real (``apply.execute``), then read back the Deployments and the engine Service's
+EndpointSlices, and patch ``status`` through the status subresource when it changed (``status.compute_status`` with
+the previous conditions). A write the API server refuses for good (a child name taken by an object this
+InferenceService does not control, 403, 422, 400: ``apply.ApplyRejected``) leaves nothing half-applied when the dry
+run caught it, and sets Degraded (reason ``ChildConflict``, ``Forbidden`` or ``ApplyRejected``, message naming
+Kind/name and the server's answer) and Ready False; it is counted in ``reconcile_errors_total`` as ``http_NNN`` and
+NOT raised (kopf would retry it hot): the resync timer tries again. 429/5xx/connection errors are retried with
+backoff and then raised as ``kopf.TemporaryError``. Events: each child created or deleted as it happens, Ready gained
+or lost, Degraded raised or its message changed (so one Warning per distinct problem, not one per resync).
 
 Deletion: children carry ``ownerReferences`` (controller) to the InferenceService, so the garbage collector deletes
 them with it; the operator registers no on.delete handler. kopf itself puts ONE finalizer
@@ -28,6 +40,8 @@ operator is not running, deleting an InferenceService waits until it runs again 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -44,7 +58,7 @@ from radixserve.operator.apply import KubeApi
 from radixserve.operator.metrics import OperatorMetrics
 from radixserve.operator.render import CHILD_TYPES, ChildType, RenderOptions, render_children
 from radixserve.operator.spec import InferenceService, check_name
-from radixserve.operator.status import ObservedChildren, compute_status, invalid_spec_status
+from radixserve.operator.status import ApplyError, ObservedChildren, compute_status, invalid_spec_status
 
 __all__ = [
     "INFERENCE_SERVICES",
@@ -54,6 +68,7 @@ __all__ = [
     "build_registry",
     "configure_settings",
     "format_validation_error",
+    "QuietHandlerSuccess",
 ]
 
 INFERENCE_SERVICES = ChildType(f"{constants.API_GROUP}/{constants.API_VERSION}", constants.CRD_KIND,
@@ -92,6 +107,15 @@ def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
     return conv(body)
 
 
+def _fingerprint(obj: Mapping[str, Any]) -> str:
+    """A digest of everything in a child except ``status`` and the metadata the server changes on every write
+    (resourceVersion, managedFields, generation): equal digests mean a status-only (or no-op) write."""
+    meta = {k: v for k, v in (obj.get("metadata") or {}).items()
+            if k not in ("resourceVersion", "managedFields", "generation")}
+    content = {k: v for k, v in obj.items() if k not in ("status", "metadata")}
+    return hashlib.sha256(json.dumps([meta, content], sort_keys=True, default=str).encode()).hexdigest()
+
+
 @dataclass
 class _OwnerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -99,6 +123,13 @@ class _OwnerState:
     waiting: bool = False
     # (plural, namespace, name) -> resourceVersion of each child as the operator last wrote or compared it.
     seen: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    # (plural, namespace, name) -> _fingerprint of each child as last written, compared or reported by a watch event.
+    fingerprints: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    # Children this operator deleted (prune) whose DELETED watch event has not arrived yet.
+    deleted: set[tuple[str, str, str]] = field(default_factory=set)
+    # The last problem logged at WARNING (an invalid spec's or a refused apply's message): logged again only when
+    # it changes, not at every resync.
+    warned: str | None = None
 
 
 class Reconciler:
@@ -134,11 +165,27 @@ class Reconciler:
             self._owners.pop((namespace, name), None)
             self.metrics.managed.set(len(self._owners))
 
+    def managed(self) -> set[tuple[str, str]]:
+        """(namespace, name) of every InferenceService the operator holds state for."""
+        with self._guard:
+            return set(self._owners)
+
     def _remember(self, state: _OwnerState, rtype: ChildType, obj: dict[str, Any] | None) -> None:
         meta = (obj or {}).get("metadata") or {}
-        if meta.get("resourceVersion"):
-            with self._guard:
-                state.seen[(rtype.plural, meta.get("namespace", ""), meta.get("name", ""))] = meta["resourceVersion"]
+        key = (rtype.plural, meta.get("namespace", ""), meta.get("name", ""))
+        with self._guard:
+            if meta.get("resourceVersion"):
+                state.seen[key] = meta["resourceVersion"]
+            if obj:
+                state.fingerprints[key] = _fingerprint(obj)
+
+    def _warn_once(self, state: _OwnerState, logger: logging.Logger | logging.LoggerAdapter, message: str,
+                   *args: Any) -> None:
+        """Log at WARNING when ``message % args`` differs from the last one warned for this owner, else at DEBUG."""
+        text = message % args
+        level = logging.DEBUG if state.warned == text else logging.WARNING
+        state.warned = text
+        logger.log(level, "%s", text)
 
     # --- triggers ---------------------------------------------------------------------------------------------------
 
@@ -146,14 +193,20 @@ class Reconciler:
         """Reconcile one InferenceService ``body`` (trigger ``kind``: create, update, resume, timer, child). Raises
         kopf.TemporaryError when the API server keeps failing (kopf retries change handlers)."""
         meta = body.get("metadata") or {}
+        if meta.get("deletionTimestamp"):  # going away: no state for it (forget() may already have run)
+            self.metrics.reconciles.labels(kind=kind, result="success").inc()
+            return
         state = self._owner(meta.get("namespace", ""), meta["name"])
         with state.lock:
             self._reconcile_locked(state, _plain(body), kind, logger)
 
     def child_changed(self, event_type: str | None, child: Mapping[str, Any],
                       logger: logging.Logger | logging.LoggerAdapter) -> None:
-        """A labelled child was added, modified or deleted: reconcile its owner unless the event is one of the
-        operator's own writes. Events arriving while a reconcile of the same owner runs are coalesced."""
+        """A labelled child was added, modified or deleted: reconcile its owner when the event can matter (module
+        doc: not the operator's own writes, not status-only writes of kinds other than Deployment). Events arriving
+        while a reconcile of the same owner runs are coalesced. State is created only for an owner that exists and
+        is not being deleted (the garbage collector's deletions of a deleted owner's children must not bring it
+        back)."""
         meta = child.get("metadata") or {}
         owner_name = (meta.get("labels") or {}).get(constants.LABEL_INFERENCE_SERVICE)
         namespace = meta.get("namespace", "")
@@ -163,7 +216,16 @@ class Reconciler:
         rtype = next((t for t in CHILD_TYPES if t.kind == kind), None)
         plural = rtype.plural if rtype else kind.lower() + "s"
         key = (plural, namespace, meta.get("name", ""))
-        state = self._owner(namespace, owner_name)
+        with self._guard:
+            state = self._owners.get((namespace, owner_name))
+        if state is None:
+            owner = self.api.call(f"get InferenceService {namespace}/{owner_name}", self.api.get,
+                                  INFERENCE_SERVICES, namespace, owner_name)
+            if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
+                return  # the owner is gone or going: the garbage collector takes the child
+            state = self._owner(namespace, owner_name)
+        if not self._matters(state, event_type, kind, key, child):
+            return
         with self._guard:
             state.pending.append((key, meta.get("resourceVersion")))
             if state.waiting:
@@ -177,10 +239,34 @@ class Reconciler:
                 return
             isvc = self.api.call(f"get InferenceService {namespace}/{owner_name}", self.api.get,
                                  INFERENCE_SERVICES, namespace, owner_name)
-            if isvc is None:
+            if isvc is None or (isvc.get("metadata") or {}).get("deletionTimestamp"):
                 return  # the owner is gone; the garbage collector takes the child
             logger.debug("child %s changed (%s): reconciling %s", key, event_type, owner_name)
             self._reconcile_locked(state, isvc, "child", logger)
+
+    def _matters(self, state: _OwnerState, event_type: str, kind: str, key: tuple[str, str, str],
+                 child: Mapping[str, Any]) -> bool:
+        """Whether a child's watch event can change what a reconcile does: a deletion (unless the operator's own
+        prune), any Deployment event (its status feeds the InferenceService's), and for other kinds a change of
+        anything but ``status`` (an HPA's controller rewrites its status every ~15 s; that alone is skipped).
+
+        Comparing the non-status content (``_fingerprint``) rather than ``metadata.generation``: it works the same
+        for kinds without a generation (ConfigMap, Service, ServiceAccount, RBAC) and also sees hand edits of labels
+        and annotations, which the operator manages but which bump no generation."""
+        if event_type == "DELETED":
+            with self._guard:
+                if key in state.deleted:
+                    state.deleted.discard(key)
+                    return False
+            return True
+        if kind == "Deployment":
+            return True
+        digest = _fingerprint(_plain(child))
+        with self._guard:
+            if state.fingerprints.get(key) == digest:
+                return False
+            state.fingerprints[key] = digest
+        return True
 
     # --- the reconcile ----------------------------------------------------------------------------------------------
 
@@ -188,7 +274,7 @@ class Reconciler:
                           logger: logging.Logger | logging.LoggerAdapter) -> None:
         start = time.perf_counter()
         try:
-            result = self._reconcile(state, body, logger)
+            result, error_reason = self._reconcile(state, body, kind, logger)
         except Exception as exc:
             reason = f"http_{exc.__cause__.status}" if getattr(exc.__cause__, "status", None) else type(exc).__name__
             self.metrics.reconcile_errors.labels(kind=kind, reason=reason).inc()
@@ -196,23 +282,26 @@ class Reconciler:
             raise
         finally:
             self.metrics.reconcile_duration.observe(time.perf_counter() - start)
+        if error_reason is not None:
+            self.metrics.reconcile_errors.labels(kind=kind, reason=error_reason).inc()
         self.metrics.reconciles.labels(kind=kind, result=result).inc()
 
-    def _reconcile(self, state: _OwnerState, body: dict[str, Any],
-                   logger: logging.Logger | logging.LoggerAdapter) -> str:
+    def _reconcile(self, state: _OwnerState, body: dict[str, Any], kind: str,
+                   logger: logging.Logger | logging.LoggerAdapter) -> tuple[str, str | None]:
+        """One reconcile; returns (result for reconciles_total, reason for reconcile_errors_total or None)."""
         meta = body["metadata"]
         name, namespace = meta["name"], meta.get("namespace", "")
         if meta.get("deletionTimestamp"):
-            return "success"  # going away: the garbage collector removes the children
+            return "success", None  # going away: the garbage collector removes the children
         previous = (body.get("status") or {}).get("conditions")
         try:
             check_name(name)
             isvc = InferenceService.model_validate(body)
             desired = render_children(isvc, self.options)
         except pydantic.ValidationError as exc:
-            return self._invalid(body, format_validation_error(exc), previous, logger)
+            return self._invalid(state, body, format_validation_error(exc), previous, logger), None
         except ValueError as exc:
-            return self._invalid(body, str(exc), previous, logger)
+            return self._invalid(state, body, str(exc), previous, logger), None
 
         if isvc.spec.autoscaling is not None and isvc.spec.replicas is None:
             # The scale subresource reads an absent spec.replicas as 0, and an HPA whose target has 0 replicas
@@ -223,29 +312,56 @@ class Reconciler:
 
         owner_uid = meta.get("uid")
         selector = {constants.LABEL_INFERENCE_SERVICE: name}
-        created: list[str] = []
-        deleted: list[str] = []
+        # Deployments as listed, controlled by this InferenceService: the status when an apply is refused.
         current: dict[tuple[str, str], dict[str, Any]] = {}
-        for rtype in CHILD_TYPES:
-            live = self.api.call(f"list {rtype.plural}", self.api.list, rtype, namespace, selector)
-            live_by_name = {o["metadata"]["name"]: o for o in live}
-            wanted = [c for c in desired if (c["apiVersion"], c["kind"]) == (rtype.api_version, rtype.kind)]
-            for child in wanted:
-                result = applier.apply(self.api, rtype, child, live_by_name.get(child["metadata"]["name"]))
-                self._remember(state, rtype, result.obj)
-                current[(rtype.kind, child["metadata"]["name"])] = result.obj
-                if result.action == "created":
-                    created.append(f"{rtype.kind}/{child['metadata']['name']}")
-                elif result.action == "patched":
-                    logger.info("patched %s/%s: %s", rtype.kind, child["metadata"]["name"],
-                                sorted(k for k in result.patch or {} if k != "metadata") or ["metadata"])
-            gone = applier.prune(self.api, rtype, owner_uid, {c["metadata"]["name"] for c in wanted}, live)
-            deleted += [f"{rtype.kind}/{n}" for n in gone]
-        if created:
-            kopf.info(body, reason="Created", message="created " + ", ".join(created))
-        if deleted:
-            kopf.info(body, reason="Deleted", message="deleted (no longer desired) " + ", ".join(deleted))
+        changes: list[applier.Change] = []
 
+        def record(change: applier.Change, result: applier.ApplyResult) -> None:
+            what = f"{change.rtype.kind}/{change.name}"
+            if result.action == "deleted":
+                with self._guard:
+                    state.deleted.add((change.rtype.plural, namespace, change.name))
+                kopf.info(body, reason="Deleted", message=f"deleted {what} (no longer desired)")
+                return
+            self._remember(state, change.rtype, result.obj)
+            current[(change.rtype.kind, change.name)] = result.obj
+            if result.action == "created":
+                kopf.info(body, reason="Created", message=f"created {what}")  # at once: a later failure keeps it
+            elif result.action == "patched":
+                logger.info("patched %s: %s", what,
+                            sorted(k for k in result.patch or {} if k != "metadata") or ["metadata"])
+
+        try:
+            for rtype in CHILD_TYPES:
+                live = self.api.call(f"list {rtype.plural}", self.api.list, rtype, namespace, selector)
+                for obj in live:
+                    if rtype.kind == "Deployment" and applier.is_owned_by(obj, owner_uid):
+                        current[(rtype.kind, obj["metadata"]["name"])] = obj
+                wanted = [c for c in desired if (c["apiVersion"], c["kind"]) == (rtype.api_version, rtype.kind)]
+                changes += applier.plan(rtype, wanted, live, owner_uid)
+            # Creates and patches first, deletes last; every write is dry-run before any is made.
+            ordered = ([c for c in changes if c.action != "delete"] + [c for c in changes if c.action == "delete"])
+            writes = [c for c in ordered if c.action != "unchanged"]
+            if writes:
+                applier.execute(self.api, writes, dry_run=True)
+            applier.execute(self.api, ordered, dry_run=False, on_result=record)
+        except applier.ApplyRejected as exc:
+            self._warn_once(state, logger, "not applied (%s, HTTP %d): %s", exc.reason, exc.http_status, exc)
+            refused = ApplyError(exc.reason, str(exc))
+            self._observe_and_write(isvc, body, current, previous, logger, refused)
+            return "error", f"http_{exc.http_status}"
+
+        state.warned = None
+        self._observe_and_write(isvc, body, current, previous, logger, None)
+        return "success", None
+
+    def _observe_and_write(self, isvc: InferenceService, body: dict[str, Any],
+                           current: dict[tuple[str, str], dict[str, Any]], previous: list[dict] | None,
+                           logger: logging.Logger | logging.LoggerAdapter, refused: ApplyError | None) -> None:
+        """Read the engine Service's EndpointSlices, compute the status from them and ``current`` (Deployments by
+        (kind, name)) and write it."""
+        meta = body["metadata"]
+        name, namespace = meta["name"], meta.get("namespace", "")
         engine_svc = constants.engine_deployment_name(name)
         slices = self.api.call(f"list endpointslices of {engine_svc}", self.api.list, ENDPOINT_SLICES, namespace,
                                {constants.LABEL_SERVICE_NAME: engine_svc})
@@ -253,15 +369,15 @@ class Reconciler:
             engine_deployment=current.get(("Deployment", constants.engine_deployment_name(name))),
             router_deployment=current.get(("Deployment", constants.router_deployment_name(name))),
             endpoint_slices=slices,
+            apply_error=refused,
         )
         status = compute_status(isvc, observed, now=self.clock(), previous_conditions=previous)
         self._write_status(body, status, logger)
-        return "success"
 
-    def _invalid(self, body: dict[str, Any], message: str, previous: list[dict] | None,
+    def _invalid(self, state: _OwnerState, body: dict[str, Any], message: str, previous: list[dict] | None,
                  logger: logging.Logger | logging.LoggerAdapter) -> str:
         meta = body["metadata"]
-        logger.warning("invalid spec, nothing applied: %s", message)
+        self._warn_once(state, logger, "invalid spec, nothing applied: %s", message)
         status = invalid_spec_status(meta["name"], meta.get("namespace", ""), meta.get("generation"), message,
                                      now=self.clock(), previous_conditions=previous)
         self._write_status(body, status, logger)
@@ -291,6 +407,30 @@ class Reconciler:
                 != (degraded.get("reason"), degraded.get("message"))):
             kopf.warn(body, reason=degraded.get("reason", "Degraded"), message=degraded.get("message", ""))
         logger.debug("status: %s", {c["type"]: c["status"] for c in after or []})
+
+
+class QuietHandlerSuccess(logging.Filter):
+    """A filter for kopf's ``kopf.objects`` logger: its INFO line "Handler 'child-...' succeeded." for every child
+    watch event, and "Handler 'forget' succeeded." / "Timer 'resync' succeeded." for every InferenceService event and
+    resync tick, are demoted to DEBUG (dropped unless that logger is enabled for DEBUG). Every other line (the
+    create/update handlers' success, failures) passes unchanged."""
+
+    HANDLER_IDS = ("child-", "forget", "resync")
+    _PREFIXES = ("Handler '", "Timer '")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO:
+            return True
+        message = record.getMessage()
+        if not message.endswith("' succeeded.") or not message.startswith(self._PREFIXES):
+            return True
+        handler_id = message.split("'", 2)[1]
+        if not any(handler_id == h or (h.endswith("-") and handler_id.startswith(h)) for h in self.HANDLER_IDS):
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return True
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:

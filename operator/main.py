@@ -12,14 +12,16 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import radixserve
 from radixserve import constants
 
-__all__ = ["OperatorConfig", "DEFAULT_IMAGE", "add_operator_args", "config_from_namespace", "load_kube_client",
-           "run_operator", "main"]
+__all__ = ["OperatorConfig", "DEFAULT_IMAGE", "KubeConfigError", "add_operator_args", "config_from_namespace",
+           "load_kube_client", "run_operator", "main"]
 
 DEFAULT_IMAGE = f"{constants.IMAGE_REPOSITORY}:{radixserve.__version__}"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -81,15 +83,35 @@ def config_from_namespace(ns: argparse.Namespace) -> OperatorConfig:
                           resync_seconds=ns.resync_seconds, metrics_port=ns.metrics_port)
 
 
+class KubeConfigError(Exception):
+    """No usable Kubernetes credentials: not in a cluster, and the kubeconfig is missing or unusable. The message is
+    one line naming the file and where its path came from."""
+
+
 def load_kube_client() -> Any:
     """A ``kubernetes.client.ApiClient`` from the in-cluster service account, else the kubeconfig ($KUBECONFIG or
-    ~/.kube/config), as kopf's own login does. Raises kubernetes.config.ConfigException when neither works."""
+    ~/.kube/config), as kopf's own login does. Raises KubeConfigError when neither works."""
     import kubernetes
+    import yaml
 
     try:
         kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
+    except kubernetes.config.ConfigException as incluster:
+        # The client reads $KUBECONFIG into this global at import time (a ':'-separated list of files).
+        location = os.path.expanduser(kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION)
+        source = "from $KUBECONFIG" if os.environ.get("KUBECONFIG") else "the default; $KUBECONFIG is not set"
+        cluster = ("not running in a cluster ($KUBERNETES_SERVICE_HOST/_PORT unset)"
+                   if not os.environ.get("KUBERNETES_SERVICE_HOST")
+                   else f"the in-cluster service account failed ({str(incluster).rstrip('.')})")
+        where = f"{cluster} and the kubeconfig {location} ({source})"
+        if not any(os.path.exists(p) for p in location.split(os.pathsep) if p):
+            raise KubeConfigError(f"no Kubernetes credentials: {where} does not exist") from None
+        try:
+            kubernetes.config.load_kube_config()
+        except (kubernetes.config.ConfigException, yaml.YAMLError, OSError, TypeError, AttributeError, KeyError,
+                ValueError) as exc:
+            detail = " ".join(str(exc).split()) or type(exc).__name__
+            raise KubeConfigError(f"no Kubernetes credentials: {where} cannot be used: {detail}") from None
     return kubernetes.client.ApiClient()
 
 
@@ -105,11 +127,15 @@ async def run_operator(config: OperatorConfig, *, api_client: Any = None, stop_f
     import kopf
 
     from radixserve.operator.apply import KubeApi
-    from radixserve.operator.handlers import Reconciler, build_registry, configure_settings
+    from radixserve.operator.handlers import QuietHandlerSuccess, Reconciler, build_registry, configure_settings
     from radixserve.operator.metrics import OperatorMetrics, serve
     from radixserve.operator.render import RenderOptions
 
     client = api_client if api_client is not None else load_kube_client()
+    # kopf logs every child watch event's and resync tick's success at INFO: demoted to DEBUG while we run.
+    quiet = QuietHandlerSuccess()
+    kopf_objects = logging.getLogger("kopf.objects")
+    kopf_objects.addFilter(quiet)
     metrics = metrics or OperatorMetrics()
     ready = ready_flag if ready_flag is not None else asyncio.Event()
     reconciler = Reconciler(KubeApi(client), RenderOptions(config.image, config.image_pull_policy), metrics)
@@ -119,17 +145,29 @@ async def run_operator(config: OperatorConfig, *, api_client: Any = None, stop_f
     async with contextlib.AsyncExitStack() as stack:
         if config.metrics_port is not None:
             await stack.enter_async_context(serve(metrics, ready, config.metrics_host, config.metrics_port))
-        await kopf.operator(registry=registry, settings=settings, standalone=True,
-                            clusterwide=config.all_namespaces, namespaces=config.namespaces,
-                            stop_flag=stop_flag, ready_flag=ready)
+        try:
+            await kopf.operator(registry=registry, settings=settings, standalone=True,
+                                clusterwide=config.all_namespaces, namespaces=config.namespaces,
+                                stop_flag=stop_flag, ready_flag=ready)
+        finally:
+            kopf_objects.removeFilter(quiet)
     if api_client is None:
         client.close()
 
 
 def main(config: OperatorConfig) -> int:
-    """Run the operator in a new event loop until SIGTERM/SIGINT; the exit status."""
+    """Run the operator in a new event loop until SIGTERM/SIGINT; the exit status: 0, or 2 (one line on stderr) when
+    there are no usable Kubernetes credentials."""
+    try:
+        client = load_kube_client()
+    except KubeConfigError as exc:
+        print(f"radixserve operator: {exc}", file=sys.stderr)
+        return 2
     logging.getLogger("radixserve.operator").info(
         "radixserve operator %s: image %s, watching %s", radixserve.__version__, config.image,
         "all namespaces" if config.all_namespaces else ", ".join(config.namespaces))
-    asyncio.run(run_operator(config))
+    try:
+        asyncio.run(run_operator(config, api_client=client))
+    finally:
+        client.close()
     return 0

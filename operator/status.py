@@ -16,6 +16,10 @@ Conditions follow metav1.Condition (type, status, reason, message, lastTransitio
 - **Degraded** True on a Deployment's ``ProgressDeadlineExceeded`` or ``ReplicaFailure`` condition, on children
   missing after apply (``ChildrenMissing``), or an invalid spec (``InvalidSpec``, the message says what is wrong);
   else False with ``AsExpected``.
+- A change the API server refused (``ObservedChildren.apply_error``: a child name taken by a foreign object, a 403,
+  a 422, ...) puts its reason (``ChildConflict``, ``Forbidden``, ``ApplyRejected``) on all three: Degraded True with
+  the message naming ``Kind/name`` and the server's answer, Ready False (whatever the pods do, the spec in force is
+  not the one asked for) and Progressing False (nothing moves until it is resolved).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from radixserve.operator.spec import InferenceService
 
 __all__ = [
     "ObservedChildren",
+    "ApplyError",
     "compute_status",
     "invalid_spec_status",
     "service_url",
@@ -38,14 +43,25 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class ApplyError:
+    """Why the desired children could not be applied: ``reason`` a CamelCase condition reason (``ChildConflict``,
+    ``Forbidden``, ``ApplyRejected``), ``message`` naming the child (``Kind/name``) and the API server's answer."""
+
+    reason: str
+    message: str
+
+
 @dataclass
 class ObservedChildren:
-    """What the handlers read back from the API server after applying the desired children."""
+    """What the handlers read back from the API server after applying the desired children (or, when
+    ``apply_error`` is set, what was live when the apply was refused)."""
 
     engine_deployment: dict | None = None
     router_deployment: dict | None = None
     endpoint_slices: list[dict] = field(default_factory=list)  # slices of the engine Service
     missing: list[str] = field(default_factory=list)  # "Kind/name" of desired children not found
+    apply_error: ApplyError | None = None
 
 
 def service_url(name: str, namespace: str) -> str:
@@ -171,7 +187,11 @@ def compute_status(
 
     # Ready
     engine_svc = constants.engine_deployment_name(name)
-    if missing:
+    refused = observed.apply_error
+    if refused is not None:
+        ready = _condition("Ready", False, refused.reason,
+                           "the spec is not applied; see the Degraded condition", generation)
+    elif missing:
         ready = _condition("Ready", False, "ChildrenMissing", missing_msg, generation)
     elif desired == 0:
         ready = _condition("Ready", False, "ScaledToZero", "engine replicas is 0", generation)
@@ -198,7 +218,9 @@ def compute_status(
     if router is not None:
         rollouts.append(_rollout(router, "routers", router_desired))
     problems: list[tuple[str, str]] = []  # (reason, message) for Degraded
-    if missing:
+    if refused is not None:
+        problems.append((refused.reason, refused.message))
+    if missing and refused is None:  # children a refused apply did not create are no separate problem
         problems.append(("ChildrenMissing", missing_msg))
     for dep in (engine, router):
         progress = _deployment_condition(dep, "Progressing")
@@ -213,7 +235,11 @@ def compute_status(
                              f"{failure.get('message') or failure.get('reason') or 'replica failure'}"))
     failed = [r for r in rollouts if r.state == "failed"]
     pending = [r for r in rollouts if r.state in ("reconciling", "rolling")]
-    if failed:
+    if refused is not None:
+        progressing = _condition("Progressing", False, refused.reason,
+                                 "nothing more is applied until this is resolved; see the Degraded condition",
+                                 generation)
+    elif failed:
         progressing = _condition("Progressing", False, "ProgressDeadlineExceeded",
                                  "; ".join(r.message for r in failed), generation)
     elif missing or any(r.state == "reconciling" for r in rollouts):

@@ -48,6 +48,39 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def _env_without_credentials(kubeconfig: str | None, home: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST",
+                                                              "KUBERNETES_SERVICE_PORT")}
+    env["HOME"] = home
+    if kubeconfig is not None:
+        env["KUBECONFIG"] = kubeconfig
+    return env
+
+
+@pytest.mark.parametrize("case", ["missing", "garbage"])
+def test_no_usable_kubeconfig_is_one_line_and_exit_2(case, tmp_path):
+    """Regression: with no kubeconfig (or a garbage one) `radixserve operator -A` printed a 44-95 line traceback
+    and exited 1."""
+    if case == "missing":
+        env, path = _env_without_credentials(None, str(tmp_path)), str(tmp_path / ".kube" / "config")
+    else:
+        path = str(tmp_path / "kubeconfig")
+        with open(path, "w") as f:
+            f.write("%%% this is: [not a kubeconfig\n")
+        env = _env_without_credentials(path, str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "radixserve", "operator", "-A", "--metrics-port", "0"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("radixserve operator: no Kubernetes credentials") and path in lines[0]
+    assert "Traceback" not in out.stderr
+    if case == "missing":
+        assert "does not exist" in lines[0] and "$KUBECONFIG is not set" in lines[0]
+    else:
+        assert "from $KUBECONFIG" in lines[0] and "cannot be used" in lines[0]
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_process_reconciles_against_the_emulator_and_stops_on_sigterm(k8s):  # noqa: F811

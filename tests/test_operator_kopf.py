@@ -11,6 +11,7 @@ into ``spec.replicas`` (the CRD's specReplicasPath), not by a real scale subreso
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
@@ -143,10 +144,10 @@ async def test_create_makes_every_child_with_owner_refs_labels_status_events_and
     assert set(isvc["status"]) <= {"observedGeneration", "replicas", "readyReplicas", "selector", "url",
                                    "modelName", "conditions"}
 
-    events = await h.events()
-    created_event = next(e for e in events if e["reason"] == "Created")
-    assert created_event["type"] == "Normal" and created_event["involvedObject"]["uid"] == uid
-    assert f"Deployment/{ENGINE}" in created_event["message"]
+    # One Normal "Created" Event per child, posted as each was created.
+    created_events = [e for e in await h.events() if e["reason"] == "Created"]
+    assert all(e["type"] == "Normal" and e["involvedObject"]["uid"] == uid for e in created_events)
+    assert sorted(e["message"] for e in created_events) == sorted(f"created {k}/{n}" for k, n in EXPECTED_CHILDREN)
 
     # /metrics and /healthz on the operator's own port.
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{h.metrics_port}") as client:
@@ -360,7 +361,7 @@ async def test_a_valid_service_made_invalid_keeps_its_children_untouched_until_f
                                              "engine": {"image": "radixserve:new"}}})
     await until(lambda: _reason(h, NAME, "Degraded", "InvalidSpec"), what="InvalidSpec")
     message = (await h.condition(NAME, "Degraded"))["message"]
-    assert message.startswith("spec.model.storageUri: String should match pattern")
+    assert message.startswith("spec.model.storageUri: ") and "s3://" in message
     assert message.endswith("(got 's3://bucket/model')")
     await settled(h)
     assert [r for r in h.requests(mark) if r.method in ("POST", "PATCH", "DELETE")
@@ -428,6 +429,201 @@ async def test_deleting_the_service_completes_and_the_operator_forgets_it(harnes
     await until(lambda: _absent_all(h, isvc_path(NAME)), timeout=15, what="InferenceService gone")
     await until(lambda: h.metrics.managed._value.get() == 0, what="managed gauge 0")
     assert (await h.get(ENGINE_DEP))["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
+
+
+# --- writes the API server refuses -------------------------------------------------------------------------------
+
+
+def _counter(h: OperatorHarness, kind: str, **labels: str) -> float:
+    metric = h.metrics.reconcile_errors if "reason" in labels else h.metrics.reconciles
+    return metric.labels(kind=kind, **labels)._value.get()
+
+
+def _child_writes(requests: list[Any], dry_run: bool | None = False) -> list[Any]:
+    """The operator's writes to children (not to InferenceServices or Events, not the test's); real ones by
+    default."""
+    return [r for method in ("POST", "PATCH", "DELETE") for r in writes(requests, method, subresource=None,
+                                                                         dry_run=dry_run)
+            if r.resource.plural not in (constants.CRD_PLURAL, "events")
+            and not any(k.lower() == "x-radixserve-test-client" for k in r.headers)]
+
+
+async def _warnings(h: OperatorHarness, reason: str) -> list[dict[str, Any]]:
+    return [e for e in await h.events() if e["reason"] == reason and e["type"] == "Warning"]
+
+
+async def test_a_users_own_object_of_a_child_name_is_a_conflict_nothing_is_applied_and_not_retried_hot(harness):
+    """Regression: a user's Deployment NAME-engine (no ownerReference) existing before the InferenceService left no
+    status, no Event, eight children created around it, and a TemporaryError retried forever."""
+    h = harness
+    mine = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": ENGINE, "namespace": NS},
+            "spec": {"replicas": 5, "selector": {"matchLabels": {"app": "mine"}},
+                     "template": {"metadata": {"labels": {"app": "mine"}},
+                                  "spec": {"containers": [{"name": "c", "image": "mine:1"}]}}}}
+    await h.create(child_path("apps/v1", "deployments"), mine)
+    await h.start(resync_seconds=0.5)
+    isvc = await created(h)
+    conditions = {c["type"]: c for c in isvc["status"]["conditions"]}
+    assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "ChildConflict"
+    assert f"Deployment/{ENGINE}" in conditions["Degraded"]["message"]
+    assert "not controlled by this InferenceService" in conditions["Degraded"]["message"]
+    assert conditions["Ready"]["status"] == "False" and conditions["Ready"]["reason"] == "ChildConflict"
+    assert isvc["status"]["observedGeneration"] == 1
+    # Nothing half-applied: the dry runs found the conflict before any child was written.
+    assert _child_writes(h.requests()) == [] and await children(h) == {}
+    assert _child_writes(h.requests(), dry_run=True)  # the dry runs did happen
+    theirs = await h.get(ENGINE_DEP)
+    assert theirs["spec"]["replicas"] == 5 and "ownerReferences" not in theirs["metadata"]
+
+    # The resync timer retries (no hot loop); one Warning Event for the one problem, not one per resync.
+    await until(lambda: _counter(h, "timer", reason="http_409") >= 3, what="three resyncs")
+    assert len(await _warnings(h, "ChildConflict")) == 1
+    assert _counter(h, "create", reason="http_409") == 1 and _counter(h, "create", result="error") == 1
+    assert _counter(h, "create", reason="TemporaryError") == 0
+    assert _child_writes(h.requests()) == []
+
+    # Resolved by the user: the next resync applies everything and clears Degraded.
+    await h.delete(ENGINE_DEP)
+    await until(lambda: _reason(h, NAME, "Degraded", "AsExpected"), what="Degraded cleared")
+    assert set(await children(h)) == EXPECTED_CHILDREN
+
+
+async def test_a_422_on_a_child_write_leaves_nothing_half_applied_and_degrades_until_accepted(harness):
+    """Regression: a 422 on one child (here the ConfigMap) after others were patched left a half-applied update,
+    no status and a TemporaryError retried forever."""
+    h = harness
+    await h.start(resync_seconds=0.5)
+    await created(h)
+    await settled(h, quiet_s=0.7)
+    before = {k: v["metadata"]["resourceVersion"] for k, v in (await children(h)).items()}
+    server_message = f'ConfigMap "{NAME}-config" is invalid: data: Too long: must have at most 1048576 bytes'
+    h.emu.fail(422, "Invalid", server_message, method="PATCH", plural="configmaps")
+    mark = len(h.requests())
+    # Changes the router Deployment (its args) and the ConfigMap.
+    await h.patch(isvc_path(NAME), {"spec": {"router": {"policy": "least_load"}}})
+    await until(lambda: _reason(h, NAME, "Degraded", "ApplyRejected"), what="Degraded ApplyRejected")
+    isvc = await h.isvc(NAME)
+    conditions = {c["type"]: c for c in isvc["status"]["conditions"]}
+    assert f"ConfigMap/{NAME}-config" in conditions["Degraded"]["message"]
+    assert server_message in conditions["Degraded"]["message"]
+    assert conditions["Ready"]["status"] == "False" and conditions["Ready"]["reason"] == "ApplyRejected"
+    assert isvc["status"]["observedGeneration"] == 2
+
+    await until(lambda: _counter(h, "timer", reason="http_422") >= 3, what="three resyncs")
+    assert _child_writes(h.requests(mark)) == []  # not the router Deployment either
+    assert {k: v["metadata"]["resourceVersion"] for k, v in (await children(h)).items()} == before
+    assert len(await _warnings(h, "ApplyRejected")) == 1
+    assert _counter(h, "update", reason="http_422") == 1
+
+    h.emu.clear_faults()  # the server accepts it again: applied at the next resync
+    await until(lambda: _router_policy(h, "least_load"), what="applied once accepted")
+    await until(lambda: _reason(h, NAME, "Degraded", "AsExpected"), what="Degraded cleared")
+
+
+async def test_created_events_are_posted_as_each_child_is_created_even_when_a_later_write_fails(harness):
+    """Regression: "Created" Events were posted after the whole loop, so a reconcile failing midway lost them. Here
+    the router Deployment's real create is refused (403) after its dry run passed."""
+    h = harness
+    h.emu.fail(403, "Forbidden", f'deployments.apps "{ROUTER}" is forbidden: exceeded quota', method="POST",
+               plural="deployments", name=ROUTER, dry_run=False)
+    await h.start()
+    await created(h)
+    degraded = await h.condition(NAME, "Degraded")
+    assert degraded["reason"] == "Forbidden" and f"Deployment/{ROUTER}" in degraded["message"]
+    assert "exceeded quota" in degraded["message"]
+    messages = {e["message"] for e in await h.events() if e["reason"] == "Created"}
+    assert f"created ConfigMap/{NAME}-config" in messages and f"created Deployment/{ENGINE}" in messages
+    assert f"created Deployment/{ROUTER}" not in messages
+    assert _counter(h, "create", reason="http_403") == 1
+
+
+# --- no write storms, no reconcile storms -------------------------------------------------------------------------
+
+
+async def test_zero_values_a_real_server_omits_are_not_patched_at_every_resync(harness):
+    """Regression (patch storm): a real API server leaves out omitempty zero values (a toleration's value "", an
+    empty preferred-affinity list); the operator saw drift and patched the engine Deployment at every resync."""
+    h = harness
+    h.emu.omit_empty = True
+    await h.start(resync_seconds=0.3)
+    placement = {
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "", "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+    }
+    await created(h, spec={"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"}, "placement": placement})
+    pod = (await h.get(ENGINE_DEP))["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Equal", "effect": "NoSchedule"}]
+    assert "affinity" not in pod  # what the server returned lacks them
+    await until(lambda: _counter(h, "timer", result="success") >= 1, what="a first resync")
+    mark, ticks = len(h.requests()), _counter(h, "timer", result="success")
+    await until(lambda: _counter(h, "timer", result="success") >= ticks + 4, what="four more resyncs")
+    assert _child_writes(h.requests(mark), dry_run=None) == []
+
+
+async def test_status_only_writes_of_children_do_not_reconcile_but_spec_and_label_edits_do(harness):
+    """Regression: an HPA's controller rewriting its status (~every 15 s) caused a full reconcile each time."""
+    h = harness
+    await h.start()
+    await created(h, spec={"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"},
+                           "autoscaling": {"maxReplicas": 5, "targetPerPod": 4}})
+    await until(lambda: h.get(HPA), what="HPA")
+    await settled(h, quiet_s=0.7)
+    child_reconciles = _counter(h, "child", result="success")
+    for desired in (2, 3, 2):  # the HPA controller at work
+        await h.patch(HPA + "/status", {"status": {"currentReplicas": 1, "desiredReplicas": desired}})
+    await settled(h, quiet_s=0.7)
+    assert _counter(h, "child", result="success") == child_reconciles
+
+    await h.patch(HPA, {"spec": {"maxReplicas": 9}})  # a hand edit of the spec is repaired
+    await until(lambda: _hpa_max(h, 5), timeout=10, what="HPA maxReplicas repaired")
+    await h.patch(ENGINE_SVC, {"metadata": {"labels": {constants.LABEL_COMPONENT: "tampered"}}})  # no generation
+    await until(lambda: _component(h, ENGINE_SVC, constants.COMPONENT_ENGINE), timeout=10, what="label repaired")
+
+
+async def _hpa_max(h: OperatorHarness, n: int) -> bool:
+    return ((await h.get(HPA)) or {}).get("spec", {}).get("maxReplicas") == n
+
+
+async def _component(h: OperatorHarness, path: str, value: str) -> bool:
+    return ((await h.get(path)) or {})["metadata"]["labels"].get(constants.LABEL_COMPONENT) == value
+
+
+async def test_child_events_after_the_owner_is_deleted_do_not_bring_its_state_back(harness):
+    """Regression: the garbage collector's deletions of a deleted InferenceService's children created fresh
+    per-owner state, and managed_inference_services went back to 1."""
+    h = harness
+    await h.start()
+    await created(h)
+    await settled(h, quiet_s=0.7)
+    kids = await children(h)
+    await h.delete(isvc_path(NAME))
+    await until(lambda: _absent_all(h, isvc_path(NAME)), timeout=15, what="InferenceService gone")
+    await until(lambda: h.metrics.managed._value.get() == 0, what="managed gauge 0")
+    # What the garbage collector (not emulated) would do now: a last status write, then the deletions.
+    await h.patch(ENGINE_DEP + "/status", {"status": {"replicas": 0}})
+    for kind, name in kids:
+        t = next(t for t in CHILD_TYPES if t.kind == kind)
+        await h.delete(child_path(t.api_version, t.plural, name))
+    await settled(h, quiet_s=0.7)
+    assert h.metrics.managed._value.get() == 0
+    assert await children(h) == {}  # and nothing was recreated
+
+
+async def test_logs_stay_quiet_at_info(harness, caplog):
+    """Regression: at INFO every child watch event logged kopf's "Handler 'child-...' succeeded.", every resync
+    "Timer 'resync' succeeded.", and an invalid spec repeated its WARNING at every resync."""
+    h = harness
+    caplog.set_level(logging.INFO)
+    await h.start(resync_seconds=0.3)
+    await created(h)
+    await h.create(isvc_path(), isvc_body("bad", {"model": {"storageUri": "ftp://nope"}}))
+    await until(lambda: _counter(h, "timer", result="invalid_spec") >= 3, what="three resyncs of the invalid one")
+    await until(lambda: _counter(h, "timer", result="success") >= 3, what="three resyncs of the valid one")
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert not [m for m in info if m.startswith(("Handler 'child-", "Handler 'forget'", "Timer 'resync'"))]
+    assert "Handler 'reconcile' succeeded." in info  # the filter is specific: create/update successes stay
+    invalid = [r for r in caplog.records if r.levelno == logging.WARNING and "invalid spec" in r.getMessage()]
+    assert len(invalid) == 1, [r.getMessage() for r in invalid]
 
 
 # --- what the operator asks of the API server (for the chart's RBAC) ---------------------------------------------

@@ -9,11 +9,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import kubernetes_validate
+import pytest
 
 from radixserve import constants
 from radixserve.operator.render import RenderOptions, engine_selector, render_children
 from radixserve.operator.spec import InferenceService, InferenceServiceStatus
-from radixserve.operator.status import ObservedChildren, compute_status, invalid_spec_status
+from radixserve.operator.status import ApplyError, ObservedChildren, compute_status, invalid_spec_status
 
 NS = "ml"
 NAME = "llm"
@@ -330,6 +331,28 @@ def test_several_problems_are_all_reported() -> None:
     degraded = conditions(compute_status(isvc, observed, now=NOW))["Degraded"]
     assert degraded["status"] == "True"
     assert "PodDisruptionBudget/llm-engine" in degraded["message"] and "timed out" in degraded["message"]
+
+
+@pytest.mark.parametrize("reason", ["ChildConflict", "Forbidden", "ApplyRejected"])
+def test_a_refused_apply_is_degraded_and_not_ready_even_with_healthy_pods(reason: str) -> None:
+    """Regression: a refused child write left the status as it was (a stale Ready=True for a spec not applied)."""
+    isvc = make_isvc(replicas=2, generation=4)
+    before = compute_status(isvc, healthy(isvc), now=NOW)
+    assert summary(before)["Ready"] == ("True", "Ready")
+    observed = healthy(isvc)
+    message = f"patch ConfigMap/{NAME}-config: HTTP 422 Invalid: data: Too long"
+    observed.apply_error = ApplyError(reason, message)
+    status = compute_status(isvc, observed, now=LATER, previous_conditions=before["conditions"])
+    assert summary(status) == {"Ready": ("False", reason), "Progressing": ("False", reason),
+                               "Degraded": ("True", reason)}
+    assert conditions(status)["Degraded"]["message"] == message
+    assert status["observedGeneration"] == 4 and all(c["observedGeneration"] == 4 for c in status["conditions"])
+    assert conditions(status)["Ready"]["lastTransitionTime"] == "2025-05-01T10:08:00Z"
+    assert (status["replicas"], status["readyReplicas"]) == (2, 2)  # what runs is still reported
+    # Children the refused apply did not create are not reported as a second problem.
+    observed.router_deployment = None
+    degraded = conditions(compute_status(isvc, observed, now=LATER))["Degraded"]
+    assert degraded["reason"] == reason and degraded["message"] == message
 
 
 # --- transitions ----------------------------------------------------------------------------------------------------
