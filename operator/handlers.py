@@ -130,6 +130,8 @@ class _OwnerState:
     # The last problem logged at WARNING (an invalid spec's or a refused apply's message): logged again only when
     # it changes, not at every resync.
     warned: str | None = None
+    # The status this process last wrote (None: none yet; the object's own status is then the reference).
+    status: dict[str, Any] | None = None
 
 
 class Reconciler:
@@ -293,7 +295,8 @@ class Reconciler:
         name, namespace = meta["name"], meta.get("namespace", "")
         if meta.get("deletionTimestamp"):
             return "success", None  # going away: the garbage collector removes the children
-        previous = (body.get("status") or {}).get("conditions")
+        # The conditions last written (by this process if it wrote any: the body may predate that write).
+        previous = ((state.status if state.status is not None else body.get("status")) or {}).get("conditions")
         try:
             check_name(name)
             isvc = InferenceService.model_validate(body)
@@ -348,14 +351,14 @@ class Reconciler:
         except applier.ApplyRejected as exc:
             self._warn_once(state, logger, "not applied (%s, HTTP %d): %s", exc.reason, exc.http_status, exc)
             refused = ApplyError(exc.reason, str(exc))
-            self._observe_and_write(isvc, body, current, previous, logger, refused)
+            self._observe_and_write(state, isvc, body, current, previous, logger, refused)
             return "error", f"http_{exc.http_status}"
 
         state.warned = None
-        self._observe_and_write(isvc, body, current, previous, logger, None)
+        self._observe_and_write(state, isvc, body, current, previous, logger, None)
         return "success", None
 
-    def _observe_and_write(self, isvc: InferenceService, body: dict[str, Any],
+    def _observe_and_write(self, state: _OwnerState, isvc: InferenceService, body: dict[str, Any],
                            current: dict[tuple[str, str], dict[str, Any]], previous: list[dict] | None,
                            logger: logging.Logger | logging.LoggerAdapter, refused: ApplyError | None) -> None:
         """Read the engine Service's EndpointSlices, compute the status from them and ``current`` (Deployments by
@@ -372,7 +375,7 @@ class Reconciler:
             apply_error=refused,
         )
         status = compute_status(isvc, observed, now=self.clock(), previous_conditions=previous)
-        self._write_status(body, status, logger)
+        self._write_status(state, body, status, logger)
 
     def _invalid(self, state: _OwnerState, body: dict[str, Any], message: str, previous: list[dict] | None,
                  logger: logging.Logger | logging.LoggerAdapter) -> str:
@@ -380,21 +383,25 @@ class Reconciler:
         self._warn_once(state, logger, "invalid spec, nothing applied: %s", message)
         status = invalid_spec_status(meta["name"], meta.get("namespace", ""), meta.get("generation"), message,
                                      now=self.clock(), previous_conditions=previous)
-        self._write_status(body, status, logger)
+        self._write_status(state, body, status, logger)
         return "invalid_spec"
 
-    def _write_status(self, body: dict[str, Any], status: dict[str, Any],
+    def _write_status(self, state: _OwnerState, body: dict[str, Any], status: dict[str, Any],
                       logger: logging.Logger | logging.LoggerAdapter) -> None:
         """Patch ``status`` (whole: fields no longer reported are removed) through the status subresource when it
-        differs from the object's, and post Events for the transitions."""
+        differs from the current one, and post Events for the transitions. "Current" is the status this process
+        last wrote when there is one: the body a timer or event handler gets may predate that write, and comparing
+        with it would post the same Events twice."""
         old = body.get("status") or {}
-        if status == old:
+        current = state.status if state.status is not None else old
+        if status == current:
             return
         meta = body["metadata"]
-        patch = {"status": {**{k: None for k in old if k not in status}, **status}}
+        patch = {"status": {**{k: None for k in {**old, **current} if k not in status}, **status}}
         self.api.call(f"patch status of InferenceService {meta.get('namespace')}/{meta['name']}",
                       self.api.merge_patch, INFERENCE_SERVICES, meta.get("namespace"), meta["name"], patch, "status")
-        before, after = old.get("conditions"), status.get("conditions")
+        state.status = status
+        before, after = current.get("conditions"), status.get("conditions")
         was_ready = _condition(before, "Ready").get("status") == "True"
         ready = _condition(after, "Ready")
         if ready.get("status") == "True" and not was_ready:
@@ -436,11 +443,16 @@ class QuietHandlerSuccess(logging.Filter):
 def configure_settings(settings: kopf.OperatorSettings) -> None:
     """kopf settings for this operator: progress and diff-base kept in annotations under radixserve.io (the CRD's
     status is structural, so kopf's default ``status.kopf`` would be pruned by the API server), kopf's timer finalizer
-    named under radixserve.io, Events only from explicit kopf.info/warn calls (handler logs are not Events)."""
+    named under radixserve.io, Events only from explicit kopf.info/warn calls (handler logs are not Events), and a
+    timer still running at deletion re-checked every 2 s instead of 60."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=constants.API_GROUP, key="last-handled-configuration")
     settings.persistence.finalizer = FINALIZER
+    # A resync reconcile (a sync handler in a thread) still running when its InferenceService is deleted cannot be
+    # interrupted; kopf re-checks whether it has exited after this many seconds (default 60: deletion then took a
+    # minute whenever it met a resync in flight).
+    settings.background.cancellation_polling = 2.0
     settings.posting.enabled = True
     settings.posting.loggers = False
     settings.posting.level = logging.INFO
