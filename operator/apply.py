@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any, Protocol
 
 import kopf
@@ -44,6 +42,7 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from radixserve import constants
+from radixserve.operator.spec import parse_quantity as quantity  # noqa: F401 - re-exported
 
 __all__ = [
     "LAST_APPLIED_ANNOTATION",
@@ -201,39 +200,10 @@ class KubeApi:
 # --- comparing desired with live --------------------------------------------------------------------------------
 
 # number, then a decimal exponent (e3, E-2) OR a suffix; "E" alone is the exa suffix, not an exponent.
-_QUANTITY_RE = re.compile(r"^([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:[eE]([+-]?[0-9]+)|([KMGTPE]i|[numkMGTPE]))?$")
-_SUFFIXES = {
-    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
-    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"), "P": Decimal("1e15"),
-    "E": Decimal("1e18"), "Ki": Decimal(2 ** 10), "Mi": Decimal(2 ** 20), "Gi": Decimal(2 ** 30),
-    "Ti": Decimal(2 ** 40), "Pi": Decimal(2 ** 50), "Ei": Decimal(2 ** 60),
-}
 # Keys whose values are quantities the API server canonicalizes ("1000m" -> "1", 0.5 -> "500m"): container and
 # quota resources, HPA metric targets, emptyDir sizes.
 _QUANTITY_PARENTS = frozenset({"requests", "limits", "hard"})
 _QUANTITY_KEYS = frozenset({"averageValue", "sizeLimit"})
-
-
-def quantity(value: Any) -> Decimal | None:
-    """A Kubernetes quantity (``"500m"``, ``"2Gi"``, ``"1e3"``, ``"1E"`` (exa), ``1``) as an exact Decimal; None if it
-    is not one. Grammar: k8s.io/apimachinery/pkg/api/resource (decimal SI n u m k M G T P E, binary Ki..Ei, or a
-    decimal exponent e/E followed by digits)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return Decimal(str(value))
-    if not isinstance(value, str):
-        return None
-    m = _QUANTITY_RE.match(value.strip())
-    if not m:
-        return None
-    try:
-        number = Decimal(m.group(1))
-    except InvalidOperation:
-        return None
-    if m.group(2) is not None:
-        return number.scaleb(int(m.group(2)))
-    return number * _SUFFIXES[m.group(3) or ""]
 
 
 def _is_quantity_path(path: tuple[str, ...]) -> bool:

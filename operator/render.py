@@ -36,6 +36,7 @@ from radixserve.operator.spec import (
     InferenceService,
     ResourceRequirements,
     check_name,
+    parse_quantity,
 )
 
 __all__ = [
@@ -306,12 +307,8 @@ def cpu_threads(resources: ResourceRequirements | None) -> int | None:
         return None
     for section in sections:
         if "cpu" in section:
-            value = str(section["cpu"])
-            try:
-                cpus = int(value[:-1]) / 1000 if value.endswith("m") else float(value)
-            except ValueError:
-                return None
-            return max(1, math.floor(cpus))
+            cpus = parse_quantity(section["cpu"])
+            return None if cpus is None else max(1, math.floor(cpus))
     return None
 
 

@@ -13,6 +13,7 @@ Units: token counts in tokens, durations in seconds, ``resources`` in Kubernetes
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -20,19 +21,47 @@ from pydantic.alias_generators import to_camel
 
 from radixserve import constants
 
-# Kubernetes' quantity grammar (k8s.io/apimachinery resource.Quantity: "500m", "2Gi", "1e3", "1.5").
-QUANTITY_PATTERN = (
-    r"^[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
 # DNS-1123 subdomain (Secret, PriorityClass names) and label value (nodeSelector values) grammars.
 DNS1123_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 
 
+_QUANTITY_RE = re.compile(r"^([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:[eE]([+-]?[0-9]+)|([KMGTPE]i|[numkMGTPE]))?$")
+_SUFFIXES = {
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
+    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"), "P": Decimal("1e15"),
+    "E": Decimal("1e18"), "Ki": Decimal(2 ** 10), "Mi": Decimal(2 ** 20), "Gi": Decimal(2 ** 30),
+    "Ti": Decimal(2 ** 40), "Pi": Decimal(2 ** 50), "Ei": Decimal(2 ** 60),
+}
+
+
+def parse_quantity(value: Any) -> Decimal | None:
+    """A Kubernetes quantity (``"500m"``, ``"2Gi"``, ``"1e3"``, ``"1E"`` (exa), ``1``) as an exact Decimal; None if it
+    is not one. Grammar: k8s.io/apimachinery/pkg/api/resource (decimal SI n u m k M G T P E, binary Ki..Ei, or a
+    decimal exponent e/E followed by digits)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return Decimal(str(value))
+    if not isinstance(value, str):
+        return None
+    m = _QUANTITY_RE.match(value.strip())
+    if not m:
+        return None
+    try:
+        number = Decimal(m.group(1))
+    except InvalidOperation:
+        return None
+    if m.group(2) is not None:
+        return number.scaleb(int(m.group(2)))
+    return number * _SUFFIXES[m.group(3) or ""]
+
+
 def _check_quantity(value: int | str) -> int | str:
-    if isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+    if parse_quantity(value) is None:
         raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 500m, 2, 8Gi, 1e9)")
     return value
+
 
 
 def _check_int_or_percent(value: int | str) -> int | str:
