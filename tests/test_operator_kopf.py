@@ -271,6 +271,25 @@ async def test_resync_timer_repairs_what_no_watch_event_reported(harness):
     assert h.metrics.reconciles.labels(kind="child", result="success")._value.get() == 0
 
 
+async def test_an_operator_restart_on_converged_objects_writes_nothing(harness):
+    """Restart (kopf's resume + timer ticks) on objects the previous run converged: no real write to any child, the
+    status is not rewritten, no Event is posted again (a real restart after an upgrade must not roll every model)."""
+    h = harness
+    await h.start(resync_seconds=0.5)
+    await created(h)
+    await settled(h)
+    events_before = len(await h.events())
+    await h.stop()
+    mark = len(h.requests())
+    await h.start(resync_seconds=0.5)
+    await asyncio.sleep(2.5)  # resume plus several timer ticks
+    await settled(h)
+    real_writes = [r for m in ("POST", "PATCH", "DELETE") for r in writes(h.requests(mark), m, subresource=None)
+                   if r.resource.plural != "events"]
+    assert real_writes == [], [(r.method, r.resource.plural, r.name) for r in real_writes]
+    assert len(await h.events()) == events_before
+
+
 # --- optional children ------------------------------------------------------------------------------------------
 
 
