@@ -302,6 +302,7 @@ def test_rbac_covers_the_operator_design(default_objs):
     crud = ("get", "list", "watch", "create", "patch", "delete")
     needed = {(constants.API_GROUP, constants.CRD_PLURAL, v) for v in ("get", "list", "watch", "patch")}
     needed |= {(constants.API_GROUP, f"{constants.CRD_PLURAL}/status", "patch")}
+    needed |= {(constants.API_GROUP, f"{constants.CRD_PLURAL}/finalizers", "update")}  # blockOwnerDeletion
     for child in CHILD_TYPES:  # every kind the operator renders, applies and prunes
         group = child.api_version.rpartition("/")[0]
         needed |= {(group, child.plural, v) for v in crud}

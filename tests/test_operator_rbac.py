@@ -22,6 +22,9 @@ REAL_CLUSTER_ONLY: dict[tuple[str, str, str], str] = {
     # longer desired; the scenario only edits and deletes some kinds.
     **{(verb, t.api_version.rpartition("/")[0], t.plural): "apply/prune path for every child kind"
        for t in CHILD_TYPES for verb in ("get", "list", "watch", "create", "patch", "delete")},
+    # blockOwnerDeletion on the children's ownerReferences: the OwnerReferencesPermissionEnforcement admission plugin
+    # (on in OpenShift) checks update on the owner's finalizers.
+    ("update", "radixserve.io", "inferenceservices/finalizers"): "OwnerReferencesPermissionEnforcement",
     # kopf lists/watches namespaces when it serves a namespace list (--namespace); the scenario runs cluster-wide.
     ("list", "", "namespaces"): "kopf with --namespace",
     ("watch", "", "namespaces"): "kopf with --namespace",
