@@ -16,7 +16,10 @@ No PUT and no server-side apply (neither works everywhere the operator is tested
 - Errors: a 4xx the API server will answer again (400, 403, 422, ..., and a create meeting a foreign object) raises
   ``ApplyRejected`` at once (no retry: the caller reports it in the status and tries again at its next resync);
   409 Conflict (create: the object appeared meanwhile -> re-read and patch; patch: it changed meanwhile -> re-read)
-  and 404 on a patch (it went away -> create) are re-planned from a fresh read; 429, 5xx and connection errors are
+  and 404 on a patch (it went away -> create) are re-planned from a fresh read; a 404 on a DRY-RUN create is not
+  an error (a dry run cannot see objects the same plan's earlier dry runs "created": kube-apiserver answers a
+  RoleBinding whose roleRef Role does not exist yet with 404 when the caller lacks the ``bind`` verb; the real
+  create, which comes after the Role's, reports a real 404); 429, 5xx and connection errors are
   retried with bounded exponential backoff (``RetryPolicy``), and what still fails is raised as
   ``kopf.TemporaryError`` so kopf retries the handler later.
 - Zero values: a real API server omits the zero value of an ``omitempty`` field (false, "", empty list or map) when
@@ -408,6 +411,13 @@ def apply(api: KubeApi, rtype: ResourceType, desired: dict[str, Any],
             patch.setdefault("metadata", {})["resourceVersion"] = live["metadata"].get("resourceVersion")
             return ApplyResult("patched", api.merge_patch(rtype, namespace, name, patch, dry_run=dry_run), patch)
         except (ApiException, Urllib3Error, OSError) as exc:
+            if dry_run and verb == "create" and getattr(exc, "status", None) == 404:
+                # A dry run cannot see what earlier dry runs of the same plan "created": kube-apiserver answers a
+                # RoleBinding's create with 404 when its roleRef Role does not exist yet (escalation check, caller
+                # without `bind`). Not a reason to refuse the plan: the real phase creates the Role first, and a
+                # real 404 (the namespace is gone) is reported there.
+                log.debug("dry-run create %s: %s; not known before the real create", what, _describe(exc))
+                return ApplyResult("created", body)
             if _final_4xx(exc) or (verb == "create" and getattr(exc, "status", None) == 404):
                 raise _rejected(exc, verb, rtype, name) from exc  # 404 on create: the namespace is gone
             # 409 on create: it appeared meanwhile (ours -> patch it; someone else's -> ChildConflict on re-read);

@@ -22,7 +22,8 @@ Added here, as the real kube-apiserver does it:
   empty lists and maps) left out, except inside maps (labels, annotations, data, selectors keep their "" values).
   Custom resources keep what was written, as for CRDs. The number 0 is kept (``replicas: 0`` is a pointer field).
 - ``fail(...)``: make writes matching a predicate answer an error (403, 422, 500, ...), e.g. an admission webhook or
-  RBAC refusing; the request is still logged.
+  RBAC refusing; the request is still logged. ``require_role_refs()``: a RoleBinding create whose Role is not
+  stored answers 404, as kube-apiserver's escalation check does for a caller without ``bind``.
 
 Still as kmock (not needed yet): label/field selectors and pagination are ignored; no PUT, no validation, no
 garbage collection or controllers. Tests may change storage behind the server's back with ``emulator.objects`` (no
@@ -158,6 +159,27 @@ class K8sEmulator(kmock.KubernetesEmulator):
                     return None
                 remaining[0] -= 1
             return _error(status, reason, message, name=target or "", kind=request.resource.plural)
+
+        self._faults.append(fault)
+
+    def require_role_refs(self) -> None:
+        """Creating a RoleBinding whose ``roleRef`` names a Role absent from storage answers 404 NotFound, as
+        kube-apiserver's RoleBinding storage does for a caller without the ``bind`` verb (it resolves the Role's rules
+        to prevent escalation). A dry-run create of the Role stores nothing, so a RoleBinding dry run after it still
+        gets the 404. Installed as a fault (``clear_faults`` removes it)."""
+        def fault(request: kmock.Request) -> Any:
+            verb = getattr(request.method, "value", str(request.method)).upper()
+            if verb != "POST" or request.resource is None or request.resource.plural != "rolebindings":
+                return None
+            ref = ((request.data or {}).get("roleRef") or {}) if isinstance(request.data, dict) else {}
+            if ref.get("kind") != "Role":
+                return None
+            namespace = request.namespace or ((request.data.get("metadata") or {}).get("namespace"))
+            if any(res.plural == "roles" and ns == namespace and name == ref.get("name") and not obj.deleted
+                   for (res, ns, name), obj in self.objects.items()):
+                return None
+            return _error(404, "NotFound", f'roles.rbac.authorization.k8s.io "{ref.get("name")}" not found',
+                          name=ref.get("name") or "", group="rbac.authorization.k8s.io", kind="roles")
 
         self._faults.append(fault)
 

@@ -250,3 +250,36 @@ async def test_execute_dry_run_first_leaves_nothing_half_applied(k8s):  # noqa: 
         await _in_thread(execute, api, changes, dry_run=True)
     assert "Deployment/demo-engine" in str(info.value) and "spec.template: bad" in str(info.value)
     assert await _in_thread(api.get, CONFIGMAPS, NS, "demo-config") is None
+
+
+@pytest.mark.asyncio
+async def test_a_rolebinding_whose_role_only_exists_in_the_dry_run_is_not_refused(k8s):  # noqa: F811
+    """Regression (real clusters only): kube-apiserver answers a RoleBinding create whose roleRef Role does not exist
+    with 404 when the caller lacks `bind` (the operator does, by design). The Role was only dry-run-created, so the
+    RoleBinding's dry run got 404 and the first apply was refused forever. A 404 on a dry-run create now passes; the
+    real phase creates the Role first, then the RoleBinding."""
+    emulator, client = k8s
+    emulator.require_role_refs()
+    api = KubeApi(client, FAST)
+    children = render_children(_isvc(), RenderOptions("radixserve:test"))
+    rbac = [t for t in CHILD_TYPES if t.kind in ("Role", "RoleBinding")]
+    assert [t.kind for t in rbac] == ["Role", "RoleBinding"]  # CHILD_TYPES order: the Role is created first
+    changes = [c for t in rbac for c in plan(t, [d for d in children if d["kind"] == t.kind], [], OWNER_UID)]
+    binding = next(c.desired for c in changes if c.rtype.kind == "RoleBinding")
+    # The rule really is emulated: the RoleBinding alone is refused, dry run or not.
+    for dry_run in (True, False):
+        with pytest.raises(Exception) as info:
+            await _in_thread(api.create, rbac[1], NS, binding, dry_run=dry_run)
+        assert getattr(info.value, "status", None) == 404
+    results = await _in_thread(execute, api, changes, dry_run=True)
+    assert [r.action for r in results] == ["created", "created"]
+    assert not [k for k in emulator.objects if k[0].plural in ("roles", "rolebindings")]  # a dry run stores nothing
+    results = await _in_thread(execute, api, changes, dry_run=False)
+    assert [r.action for r in results] == ["created", "created"]
+    assert await _in_thread(api.get, rbac[1], NS, binding["metadata"]["name"]) is not None
+    # A 404 on a REAL create is still refused (here: the Role is gone, the namespace could be).
+    await _in_thread(api.delete, rbac[1], NS, binding["metadata"]["name"])
+    await _in_thread(api.delete, rbac[0], NS, binding["roleRef"]["name"])
+    with pytest.raises(ApplyRejected) as rejected:
+        await _in_thread(apply, api, rbac[1], binding, None)
+    assert rejected.value.http_status == 404 and f"RoleBinding/{binding['metadata']['name']}" in str(rejected.value)

@@ -507,6 +507,20 @@ async def test_a_users_own_object_of_a_child_name_is_a_conflict_nothing_is_appli
     assert set(await children(h)) == EXPECTED_CHILDREN
 
 
+async def test_first_apply_succeeds_when_rolebindings_need_their_role_to_exist(harness):
+    """Regression (real clusters only): kube-apiserver 404s a RoleBinding create whose Role does not exist when the
+    caller lacks `bind`; the Role was only dry-run-created, so the first apply was refused (ApplyRejected) forever."""
+    h = harness
+    h.emu.require_role_refs()
+    await h.start()
+    isvc = await created(h)
+    assert set(await children(h)) == EXPECTED_CHILDREN
+    conditions = {c["type"]: c for c in isvc["status"]["conditions"]}
+    assert conditions["Degraded"]["status"] == "False", conditions["Degraded"]
+    assert conditions["Ready"]["reason"] == "EnginesNotReady"  # not refused: only waiting for pods
+    assert _counter(h, "create", result="success") == 1
+
+
 async def test_a_422_on_a_child_write_leaves_nothing_half_applied_and_degrades_until_accepted(harness):
     """Regression: a 422 on one child (here the ConfigMap) after others were patched left a half-applied update,
     no status and a TemporaryError retried forever."""
