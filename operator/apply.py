@@ -393,7 +393,7 @@ def apply(api: KubeApi, rtype: ResourceType, desired: dict[str, Any],
     kopf.TemporaryError when the API keeps failing (429, 5xx, connection)."""
     meta = desired["metadata"]
     namespace, name = meta.get("namespace"), meta["name"]
-    what = f"{rtype.kind} {namespace}/{name}"
+    what = f"{rtype.kind}/{name}"  # the status and Event messages name children so
     if live is ...:
         live = api.call(f"get {what}", api.get, rtype, namespace, name)
     for attempt in range(api.retry.attempts):
@@ -440,7 +440,7 @@ def last_applied_record(desired: dict[str, Any]) -> str:
 
 def _delete(api: KubeApi, rtype: ResourceType, obj: dict[str, Any], dry_run: bool) -> ApplyResult:
     meta = obj.get("metadata") or {}
-    what = f"{rtype.kind} {meta.get('namespace')}/{meta['name']}"
+    what = f"{rtype.kind}/{meta['name']}"
     for attempt in range(api.retry.attempts):
         try:
             api.delete(rtype, meta.get("namespace"), meta["name"], dry_run=dry_run)

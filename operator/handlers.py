@@ -27,8 +27,11 @@ the previous conditions). A write the API server refuses for good (a child name 
 InferenceService does not control, 403, 422, 400: ``apply.ApplyRejected``) leaves nothing half-applied when the dry
 run caught it, and sets Degraded (reason ``ChildConflict``, ``Forbidden`` or ``ApplyRejected``, message naming
 Kind/name and the server's answer) and Ready False; it is counted in ``reconcile_errors_total`` as ``http_NNN`` and
-NOT raised (kopf would retry it hot): the resync timer tries again. 429/5xx/connection errors are retried with
-backoff and then raised as ``kopf.TemporaryError``. Events: each child created or deleted as it happens, Ready gained
+NOT raised (kopf would retry it hot): the resync timer tries again. 429/5xx/connection errors (an API server in
+trouble, an admission webhook that is down) are retried with backoff; what still fails first sets Degraded (reason
+``ApplyFailed``, or ``APIUnavailable`` when even listing the children failed; the message names Kind/name, the
+server's answer and whether the spec is partly applied) and Ready False, then is raised as ``kopf.TemporaryError``
+(kopf retries; if the status write fails too, the apply's error is still the one raised). Events: each child created or deleted as it happens, Ready gained
 or lost, Degraded raised or its message changed (so one Warning per distinct problem, not one per resync).
 
 Deletion: children carry ``ownerReferences`` (controller) to the InferenceService, so the garbage collector deletes
@@ -334,6 +337,7 @@ class Reconciler:
                 logger.info("patched %s: %s", what,
                             sorted(k for k in result.patch or {} if k != "metadata") or ["metadata"])
 
+        phase = "read"  # how far the apply got: "read" (listing), "dry-run", "write" (real writes under way)
         try:
             for rtype in CHILD_TYPES:
                 live = self.api.call(f"list {rtype.plural}", self.api.list, rtype, namespace, selector)
@@ -346,13 +350,28 @@ class Reconciler:
             ordered = ([c for c in changes if c.action != "delete"] + [c for c in changes if c.action == "delete"])
             writes = [c for c in ordered if c.action != "unchanged"]
             if writes:
+                phase = "dry-run"
                 applier.execute(self.api, writes, dry_run=True)
+                phase = "write"
             applier.execute(self.api, ordered, dry_run=False, on_result=record)
         except applier.ApplyRejected as exc:
             self._warn_once(state, logger, "not applied (%s, HTTP %d): %s", exc.reason, exc.http_status, exc)
             refused = ApplyError(exc.reason, str(exc))
             self._observe_and_write(state, isvc, body, current, previous, logger, refused)
             return "error", f"http_{exc.http_status}"
+        except kopf.TemporaryError as exc:
+            # 429/5xx/connection errors (an API server in trouble, a webhook that is down: 500 "failed calling
+            # webhook") after the bounded retries. kopf retries later; meanwhile the status says so instead of
+            # standing still (reason APIUnavailable when even reading the children failed, else ApplyFailed).
+            reason = "APIUnavailable" if phase == "read" else "ApplyFailed"
+            done = {"read": "nothing applied", "dry-run": "nothing applied",
+                    "write": "the spec is partly applied"}[phase]
+            failed = ApplyError(reason, f"{exc}; {done}, the operator retries")
+            try:
+                self._observe_and_write(state, isvc, body, current, previous, logger, failed)
+            except Exception as status_exc:  # noqa: BLE001 - the apply's error is the one to raise
+                logger.warning("status not written either (%s): %s", failed.reason, status_exc)
+            raise
 
         state.warned = None
         self._observe_and_write(state, isvc, body, current, previous, logger, None)

@@ -19,7 +19,11 @@ Conditions follow metav1.Condition (type, status, reason, message, lastTransitio
 - A change the API server refused (``ObservedChildren.apply_error``: a child name taken by a foreign object, a 403,
   a 422, ...) puts its reason (``ChildConflict``, ``Forbidden``, ``ApplyRejected``) on all three: Degraded True with
   the message naming ``Kind/name`` and the server's answer, Ready False (whatever the pods do, the spec in force is
-  not the one asked for) and Progressing False (nothing moves until it is resolved).
+  not the one asked for) and Progressing False (nothing moves until it is resolved). A write that kept failing
+  with 429/5xx/connection errors (``ApplyFailed``; ``APIUnavailable`` when even reading the children failed) is
+  reported the same way, for the same reason: Ready False, since the spec asked for is not (or only partly) in
+  force, even if the pods of the previous one still serve. The operator retries it; the next successful reconcile
+  clears all three.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ __all__ = [
 @dataclass(frozen=True)
 class ApplyError:
     """Why the desired children could not be applied: ``reason`` a CamelCase condition reason (``ChildConflict``,
-    ``Forbidden``, ``ApplyRejected``), ``message`` naming the child (``Kind/name``) and the API server's answer."""
+    ``Forbidden``, ``ApplyRejected``; ``ApplyFailed`` or ``APIUnavailable`` for errors still retried), ``message``
+    naming the child (``Kind/name``) and the API server's answer."""
 
     reason: str
     message: str
@@ -190,7 +195,7 @@ def compute_status(
     refused = observed.apply_error
     if refused is not None:
         ready = _condition("Ready", False, refused.reason,
-                           "the spec is not applied; see the Degraded condition", generation)
+                           "the spec is not (fully) applied; see the Degraded condition", generation)
     elif missing:
         ready = _condition("Ready", False, "ChildrenMissing", missing_msg, generation)
     elif desired == 0:

@@ -136,10 +136,11 @@ class K8sEmulator(kmock.KubernetesEmulator):
 
     def fail(self, status: int, reason: str, message: str, *, method: str | None = None,
              plural: str | None = None, name: str | None = None, dry_run: bool | None = None,
-             times: int | None = None) -> None:
+             times: int | None = None, subresource: str | None = None) -> None:
         """Answer ``status``/``reason``/``message`` (a Kubernetes Status) to writes (POST, PATCH, DELETE) matching
-        ``method``, resource ``plural``, object ``name`` (for POST: the body's metadata.name) and ``dry_run`` (None:
-        both), at most ``times`` times (None: always), before anything is stored."""
+        ``method``, resource ``plural``, object ``name`` (for POST: the body's metadata.name), ``subresource`` (None:
+        any; "": the main resource only) and ``dry_run`` (None: both), at most ``times`` times (None: always), before
+        anything is stored."""
         remaining = [times]
 
         def fault(request: kmock.Request) -> Any:
@@ -152,6 +153,7 @@ class K8sEmulator(kmock.KubernetesEmulator):
             if ((method is not None and verb != method.upper())
                     or (plural is not None and request.resource.plural != plural)
                     or (name is not None and target != name)
+                    or (subresource is not None and (request.subresource or "") != subresource)
                     or (dry_run is not None and _dry_run(request) != dry_run)):
                 return None
             if remaining[0] is not None:

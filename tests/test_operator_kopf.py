@@ -553,6 +553,52 @@ async def test_a_422_on_a_child_write_leaves_nothing_half_applied_and_degrades_u
     await until(lambda: _reason(h, NAME, "Degraded", "AsExpected"), what="Degraded cleared")
 
 
+@pytest.fixture
+def quick_retries(monkeypatch):
+    """The operator's KubeApi with few, short retries (the default spends ~3 s per failing write)."""
+    from radixserve.operator.apply import KubeApi, RetryPolicy
+
+    monkeypatch.setattr(KubeApi.__init__, "__defaults__",
+                        (RetryPolicy(attempts=2, base_delay_s=0.05, max_delay_s=0.05, handler_delay_s=0.5),))
+
+
+async def test_a_persistent_server_error_on_writes_degrades_the_status_until_it_passes(harness, quick_retries):
+    """Regression: a write failing with 5xx after the retries (here an admission webhook that is down) raised
+    kopf.TemporaryError and left the status as it was (Degraded False, stale) while the spec was half-applied."""
+    h = harness
+    await h.start(resync_seconds=0.5)
+    await created(h)
+    await settled(h, quiet_s=0.7)
+    server_message = ('Internal error occurred: failed calling webhook "validate.kyverno.svc": Post '
+                      '"https://kyverno-svc.kyverno.svc:443/validate": dial tcp 10.96.0.9:443: connect: connection refused')
+    h.emu.fail(500, "InternalError", server_message, method="PATCH", plural="deployments", dry_run=False)
+    await h.patch(isvc_path(NAME), {"spec": {"router": {"policy": "least_load"}}})
+    await until(lambda: _reason(h, NAME, "Degraded", "ApplyFailed"), what="Degraded ApplyFailed")
+    isvc = await h.isvc(NAME)
+    conditions = {c["type"]: c for c in isvc["status"]["conditions"]}
+    message = conditions["Degraded"]["message"]
+    assert conditions["Degraded"]["status"] == "True"
+    assert f"patch Deployment/{ROUTER}" in message and server_message in message and "partly applied" in message
+    assert conditions["Ready"]["status"] == "False" and conditions["Ready"]["reason"] == "ApplyFailed"
+    assert isvc["status"]["observedGeneration"] == 2
+    assert _counter(h, "update", reason="http_500") >= 1
+    # Retried (kopf, and the resync timer) with the same message: one Warning, not one per try.
+    await until(lambda: _counter(h, "timer", reason="http_500") >= 2, what="two failing resyncs")
+    assert len(await _warnings(h, "ApplyFailed")) == 1
+
+    # The status write failing too (503) does not hide the apply's own error (counted as http_500, not 503).
+    h.emu.fail(503, "ServiceUnavailable", "apiserver overloaded", method="PATCH", plural=constants.CRD_PLURAL,
+               subresource="status")
+    errors = _counter(h, "timer", reason="http_500")
+    await until(lambda: _counter(h, "timer", reason="http_500") >= errors + 2, what="two more failing resyncs")
+    assert _counter(h, "timer", reason="http_503") == 0
+
+    h.emu.clear_faults()
+    await until(lambda: _router_policy(h, "least_load"), what="applied once the webhook is back")
+    await until(lambda: _reason(h, NAME, "Degraded", "AsExpected"), what="Degraded cleared")
+    assert (await h.condition(NAME, "Ready"))["reason"] == "EnginesNotReady"
+
+
 async def test_created_events_are_posted_as_each_child_is_created_even_when_a_later_write_fails(harness):
     """Regression: "Created" Events were posted after the whole loop, so a reconcile failing midway lost them. Here
     the router Deployment's real create is refused (403) after its dry run passed."""

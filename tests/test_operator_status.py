@@ -333,7 +333,7 @@ def test_several_problems_are_all_reported() -> None:
     assert "PodDisruptionBudget/llm-engine" in degraded["message"] and "timed out" in degraded["message"]
 
 
-@pytest.mark.parametrize("reason", ["ChildConflict", "Forbidden", "ApplyRejected"])
+@pytest.mark.parametrize("reason", ["ChildConflict", "Forbidden", "ApplyRejected", "ApplyFailed"])
 def test_a_refused_apply_is_degraded_and_not_ready_even_with_healthy_pods(reason: str) -> None:
     """Regression: a refused child write left the status as it was (a stale Ready=True for a spec not applied)."""
     isvc = make_isvc(replicas=2, generation=4)
