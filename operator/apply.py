@@ -27,8 +27,13 @@ No PUT and no server-side apply (neither works everywhere the operator is tested
   "empty": ``replicas: 0`` is compared as usual). The cost: a hand edit that removes a desired ``false`` from a
   field whose default is true is not seen as drift.
 
-Lists are replaced as a whole when they differ (merge-patch semantics); strategic merge is not used because custom
-resources do not support it and the emulator treats it as a plain merge.
+Lists: a desired list matches when it is an in-order SUBSEQUENCE of the live one (each desired element subset-equal to
+a distinct live element, order kept), so elements that admission (Kyverno, Gatekeeper, a service mesh) or the server
+adds to a list (a toleration, an imagePullSecret, a sidecar container, an env var) are not drift, and no resync
+patches them away only to see them re-added. Except when the desired list differs from the last-applied record (the
+user removed or changed an element): then the list is replaced as a whole (merge-patch semantics), which also drops
+what admission added (it adds it again). The cost: an element added to a list by hand is not repaired. Strategic
+merge is not used because custom resources do not support it and the emulator treats it as a plain merge.
 """
 
 from __future__ import annotations
@@ -226,9 +231,10 @@ def is_empty(value: Any) -> bool:
 
 
 def subset_equal(desired: Any, live: Any, path: tuple[str, ...] = ()) -> bool:
-    """True when every field of ``desired`` is in ``live`` with an equal value (dicts recursively; lists element by
-    element with equal lengths; quantities by value). Extra fields of ``live`` do not count, and a desired empty
-    value (``is_empty``) equals an absent live field."""
+    """True when every field of ``desired`` is in ``live`` with an equal value (dicts recursively; a list when it is
+    an in-order subsequence of the live list, each element subset-equal to a distinct live element; quantities by
+    value). Extra fields and extra list elements of ``live`` do not count, and a desired empty value
+    (``is_empty``) equals an absent live field."""
     if isinstance(desired, dict):
         if live is None and is_empty(desired):
             return True
@@ -238,8 +244,12 @@ def subset_equal(desired: Any, live: Any, path: tuple[str, ...] = ()) -> bool:
                    or key in live and subset_equal(value, live[key], (*path, key))
                    for key, value in desired.items())
     if isinstance(desired, list):
-        return (isinstance(live, list) and len(desired) == len(live)
-                and all(subset_equal(d, v, (*path, "[]")) for d, v in zip(desired, live)))
+        if not isinstance(live, list):
+            return False
+        # In-order subsequence: each desired element subset-equal to a distinct live element, order kept (greedy
+        # leftmost matching finds an embedding whenever one exists). Elements admission added are not drift.
+        remaining = iter(live)
+        return all(any(subset_equal(d, v, (*path, "[]")) for v in remaining) for d in desired)
     if desired == live and type(desired) is type(live):
         return True
     if _is_quantity_path(path):

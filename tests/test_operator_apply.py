@@ -109,6 +109,45 @@ def test_a_real_change_next_to_omitted_zero_values_is_still_patched():
     assert merge_patch_for(child, live)["spec"] == {"replicas": 1}
 
 
+# --- lists that admission or the server extends -------------------------------------------------------------------
+
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+POOL_TOLERATION = {"key": "pool", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}
+
+
+def _engine(**placement: Any) -> dict[str, Any]:
+    return next(c for c in render_children(_isvc(placement=placement), RenderOptions("radixserve:test"))
+                if c["kind"] == "Deployment")
+
+
+def test_list_elements_admission_adds_are_not_drift():
+    """Regression (patch storm): a mutating policy appending a toleration or an imagePullSecret to the pod template
+    made the lists differ in length, so every resync dry-ran and patched the engine Deployment."""
+    desired = _engine(tolerations=[GPU_TOLERATION])
+    live = _as_live(desired)
+    pod = live["spec"]["template"]["spec"]
+    pod["tolerations"] = [POOL_TOLERATION, GPU_TOLERATION, {"key": "node.kubernetes.io/not-ready",
+                                                           "operator": "Exists", "tolerationSeconds": 300}]
+    pod["imagePullSecrets"] = [{"name": "registry-mirror"}]
+    pod["containers"][0].setdefault("env", []).append({"name": "INJECTED", "value": "1"})
+    assert merge_patch_for(desired, live) == {}
+    # Order is kept: the desired elements must appear in the live list in their order.
+    assert subset_equal([1, 2], [0, 1, 5, 2]) and not subset_equal([1, 2], [2, 1]) and not subset_equal([1, 1], [1])
+    # A desired element missing from the live list (removed by hand) is drift: the list is put back.
+    pod["tolerations"] = [POOL_TOLERATION]
+    assert merge_patch_for(desired, live)["spec"]["template"]["spec"]["tolerations"] == [GPU_TOLERATION]
+
+
+def test_an_element_the_user_removed_from_the_spec_is_removed_from_the_live_list():
+    before = _engine(tolerations=[GPU_TOLERATION, {"key": "spot", "operator": "Exists"}])
+    live = _as_live(before)
+    live["spec"]["template"]["spec"]["tolerations"].append(POOL_TOLERATION)  # admission's
+    after = _engine(tolerations=[GPU_TOLERATION])
+    # Still an in-order subsequence of the live list, but it differs from the last-applied record: replaced.
+    patch = merge_patch_for(after, live)
+    assert patch["spec"]["template"]["spec"]["tolerations"] == [GPU_TOLERATION]
+
+
 # --- plan -------------------------------------------------------------------------------------------------------
 
 

@@ -639,6 +639,47 @@ async def test_zero_values_a_real_server_omits_are_not_patched_at_every_resync(h
     assert _child_writes(h.requests(mark), dry_run=None) == []
 
 
+async def test_list_elements_added_by_admission_are_not_patched_away_but_removed_spec_elements_are(harness,
+                                                                                                  monkeypatch):
+    """Regression (patch storm): a mutating admission policy appending a toleration to every Deployment made the
+    engine Deployment's tolerations longer than desired, so every resync dry-ran and patched it (and admission added
+    it back)."""
+    from k8s_emulator import K8sEmulator
+
+    added = {"key": "pool", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}
+    serialise = K8sEmulator._out
+
+    def admitted(self: Any, resource: Any, raw: dict[str, Any]) -> dict[str, Any]:
+        raw = serialise(self, resource, raw)
+        if raw.get("kind") == "Deployment":  # a Kyverno/Gatekeeper mutation policy on every Deployment write
+            tolerations = raw["spec"]["template"]["spec"].setdefault("tolerations", [])
+            if added not in tolerations:
+                tolerations.append(added)
+        return raw
+
+    monkeypatch.setattr(K8sEmulator, "_out", admitted)
+    h = harness
+    await h.start(resync_seconds=0.3)
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    spot = {"key": "spot", "operator": "Exists", "effect": "NoSchedule"}
+    spec = {"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"}, "placement": {"tolerations": [gpu, spot]}}
+    await created(h, spec=spec)
+    pod = (await h.get(ENGINE_DEP))["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [gpu, spot, added]  # the input really is mutated
+    await until(lambda: _counter(h, "timer", result="success") >= 1, what="a first resync")
+    mark, ticks = len(h.requests()), _counter(h, "timer", result="success")
+    await until(lambda: _counter(h, "timer", result="success") >= ticks + 3, what="three more resyncs")
+    assert _child_writes(h.requests(mark), dry_run=None) == []
+
+    # The user removes a toleration: the list is replaced (admission adds its own back), the removed one is gone.
+    await h.patch(isvc_path(NAME), {"spec": {"placement": {"tolerations": [gpu]}}})
+    await until(lambda: _tolerations(h, [gpu, added]), timeout=10, what="spot toleration removed")
+
+
+async def _tolerations(h: OperatorHarness, expected: list[dict[str, Any]]) -> bool:
+    return (await h.get(ENGINE_DEP))["spec"]["template"]["spec"].get("tolerations") == expected
+
+
 async def test_status_only_writes_of_children_do_not_reconcile_but_spec_and_label_edits_do(harness):
     """Regression: an HPA's controller rewriting its status (~every 15 s) caused a full reconcile each time."""
     h = harness
