@@ -408,12 +408,14 @@ class Reconciler:
     def _write_status(self, state: _OwnerState, body: dict[str, Any], status: dict[str, Any],
                       logger: logging.Logger | logging.LoggerAdapter) -> None:
         """Patch ``status`` (whole: fields no longer reported are removed) through the status subresource when it
-        differs from the current one, and post Events for the transitions. "Current" is the status this process
-        last wrote when there is one: the body a timer or event handler gets may predate that write, and comparing
-        with it would post the same Events twice."""
+        differs from the status this process last wrote OR from the live one in ``body`` (someone wiped or edited
+        it: ``kubectl edit --subresource=status``, ``status: null``), and post Events for the transitions. Events
+        compare with the status this process last wrote when there is one: the body a timer or event handler gets
+        may predate that write, and comparing with it would post the same Events twice (a stale body can cost one
+        redundant, identical status write, which the server treats as a no-op)."""
         old = body.get("status") or {}
         current = state.status if state.status is not None else old
-        if status == current:
+        if status == current and status == old:
             return
         meta = body["metadata"]
         patch = {"status": {**{k: None for k in {**old, **current} if k not in status}, **status}}

@@ -434,6 +434,28 @@ async def test_status_follows_deployment_and_endpointslice_status_written_by_the
     assert any(e["reason"] == "NotReady" and e["type"] == "Warning" for e in await h.events())
 
 
+async def test_a_status_wiped_or_edited_by_someone_else_is_written_again(harness):
+    """Regression: the write decision compared only with the status this process last wrote, so a status wiped
+    (``status: null``) or hand-edited through the status subresource was never rewritten."""
+    h = harness
+    await h.start(resync_seconds=0.3)
+    written = (await created(h))["status"]
+    await settled(h, quiet_s=0.7)
+    events = len(await h.events())
+    await h.patch(isvc_path(NAME, subresource="status"), {"status": None})
+    assert "status" not in (await h.isvc(NAME))
+    await until(lambda: _status_is(h, written), timeout=10, what="status written again after the wipe")
+    tampered = [{**c, "status": "True", "reason": "Ready"} if c["type"] == "Ready" else c
+                for c in written["conditions"]]
+    await h.patch(isvc_path(NAME, subresource="status"), {"status": {"conditions": tampered, "url": "http://x"}})
+    await until(lambda: _status_is(h, written), timeout=10, what="hand-edited status repaired")
+    assert len(await h.events()) == events  # the transitions were not the operator's: no Event
+
+
+async def _status_is(h: OperatorHarness, expected: dict[str, Any]) -> bool:
+    return ((await h.isvc(NAME)) or {}).get("status") == expected
+
+
 # --- deletion ---------------------------------------------------------------------------------------------------
 
 
