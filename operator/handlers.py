@@ -16,6 +16,12 @@ Triggers (``build_registry``), all ending in ``Reconciler.reconcile``:
   have no generation (ConfigMap, Service, ServiceAccount, RBAC) and catches hand-edited labels, which bump none.
   Bursts are coalesced per InferenceService (at most one reconcile waiting while one runs), so creating nine
   children does not cause nine more reconciles. Per-InferenceService state is only created for an owner that exists.
+- ``@kopf.on.event`` for ``discovery.k8s.io/v1`` EndpointSlices labelled ``radixserve.io/inference-service`` (the
+  EndpointSlice controller copies the Service's labels onto its slices) that belong to the engine Service: Ready
+  needs a ready endpoint, and on a real cluster the slice usually becomes ready after the Deployment's status, so
+  without this watch Ready waited for the next resync. Same path as a child's event (``child_changed``); the
+  operator never writes slices, so every such event is someone else's, and one whose content did not change is
+  skipped.
 
 A reconcile: parse (``InferenceService.model_validate``; a pydantic or render error -> status from
 ``invalid_spec_status``, a Warning Event on the transition, nothing applied, no retry: an invalid spec is the user's to
@@ -513,4 +519,16 @@ def build_registry(reconciler: Reconciler, resync_seconds: float,
         group, _, version = rtype.api_version.rpartition("/")
         kopf.on.event(group=group, version=version, plural=rtype.plural, id=f"child-{rtype.plural}",
                       labels={constants.LABEL_INFERENCE_SERVICE: kopf.PRESENT}, registry=registry)(on_child)
+
+    def on_endpoint_slice(event: Mapping[str, Any], body: kopf.Body, logger: Any, **_: Any) -> None:
+        labels = (body.get("metadata") or {}).get("labels") or {}
+        owner = labels.get(constants.LABEL_INFERENCE_SERVICE)
+        if owner and labels.get(constants.LABEL_SERVICE_NAME) == constants.engine_deployment_name(owner):
+            reconciler.child_changed(event.get("type"), body, logger)
+
+    # The EndpointSlice controller copies a Service's labels onto its slices, so the engine Service's slices carry
+    # the InferenceService label; the router Service's slices (same label) do not feed the status and are skipped.
+    group, _, version = ENDPOINT_SLICES.api_version.rpartition("/")
+    kopf.on.event(group=group, version=version, plural=ENDPOINT_SLICES.plural, id=f"child-{ENDPOINT_SLICES.plural}",
+                  labels={constants.LABEL_INFERENCE_SERVICE: kopf.PRESENT}, registry=registry)(on_endpoint_slice)
     return registry

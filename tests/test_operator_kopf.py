@@ -416,15 +416,22 @@ async def test_status_follows_deployment_and_endpointslice_status_written_by_the
             "observedGeneration": dep["metadata"]["generation"], "replicas": 1, "updatedReplicas": 1,
             "readyReplicas": 1, "availableReplicas": 1}})
     await until(lambda: _reason(h, NAME, "Ready", "EndpointsNotReady"), timeout=10, what="EndpointsNotReady")
+    # The slice becomes ready after the Deployments (the usual order on a real cluster). Regression: slices were
+    # not watched, so Ready waited for the next resync (600 s here, 30 s by default). The EndpointSlice controller
+    # copies the engine Service's labels onto its slices, as written here.
+    engine_svc_labels = (await h.get(ENGINE_SVC))["metadata"]["labels"]
+    slice_path = child_path("discovery.k8s.io/v1", "endpointslices", f"{ENGINE}-abcde")
     await h.create(child_path("discovery.k8s.io/v1", "endpointslices"), {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-        "metadata": {"name": f"{ENGINE}-abcde", "namespace": NS, "labels": {constants.LABEL_SERVICE_NAME: ENGINE}},
+        "metadata": {"name": f"{ENGINE}-abcde", "namespace": NS,
+                     "labels": {**engine_svc_labels, constants.LABEL_SERVICE_NAME: ENGINE}},
         "ports": [{"name": constants.HTTP_PORT_NAME, "port": constants.ENGINE_PORT}],
-        "endpoints": [{"addresses": ["10.0.0.7"], "conditions": {"ready": True}}]})
-    # EndpointSlices are not watched (they are not the operator's children): the next reconcile sees it, here one
-    # caused by the router Deployment's status changing again.
-    await h.patch(ROUTER_DEP + "/status", {"status": {"readyReplicas": 1, "conditions": []}})
-    await until(lambda: _reason(h, NAME, "Ready", "Ready"), timeout=10, what="Ready")
+        "endpoints": [{"addresses": ["10.0.0.7"], "conditions": {"ready": False}}]})
+    await settled(h, quiet_s=0.5)
+    assert (await h.condition(NAME, "Ready"))["reason"] == "EndpointsNotReady"
+    await h.patch(slice_path, {"endpoints": [{"addresses": ["10.0.0.7"], "conditions": {"ready": True}}]})
+    await until(lambda: _reason(h, NAME, "Ready", "Ready"), timeout=5, what="Ready from the slice's watch event")
+    assert _counter(h, "timer", result="success") == 0
     isvc = await h.isvc(NAME)
     assert isvc["status"]["readyReplicas"] == 1 and isvc["status"]["replicas"] == 1
     assert any(e["reason"] == "Ready" and e["type"] == "Normal" for e in await h.events())
