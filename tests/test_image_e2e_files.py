@@ -460,6 +460,12 @@ def test_docs_explain_every_condition_reason_the_operator_sets():
     reasons = set(re.findall(r'_condition\("\w+", (?:True|False|"\w+"), "(\w+)"', src))
     reasons |= set(re.findall(r'problems\.append\(\("(\w+)"', src))
     assert len(reasons) >= 8, reasons  # the extraction still finds them
+    # Reasons of writes the API server refused or could not take (apply.py, handlers.py).
+    for module in ("apply.py", "handlers.py"):
+        other = (ROOT / "operator" / module).read_text()
+        reasons |= set(re.findall(r'ApplyRejected\("(\w+)"', other))
+        reasons |= {r for pair in re.findall(r'reason = "(\w+)" if [^\n]* else "(\w+)"', other) for r in pair}
+    assert {"ChildConflict", "ApplyFailed"} <= reasons, reasons
     text = DOCS.read_text()
     missing = sorted(r for r in reasons if f"`{r}`" not in text)
     assert not missing, f"docs/kubernetes.md does not explain {missing}"
