@@ -247,8 +247,46 @@ class Toleration(_Model):
         return self
 
 
+def check_kubernetes_object(value: Any, type_name: str, path: str) -> None:
+    """Raise ValueError when ``value`` does not have the shape of Kubernetes type ``type_name`` (e.g. "V1Affinity"):
+    an unknown field (a typo the API server would drop with only a warning) or a value of the wrong JSON type.
+
+    Walks the official kubernetes client's generated models (``openapi_types`` / ``attribute_map``), so the check
+    follows the client's API version; it does not check required fields or enum values (the API server does)."""
+    import kubernetes.client as k8s_models
+
+    if type_name.startswith("List["):
+        if not isinstance(value, list):
+            raise ValueError(f"{path}: expected a list, got {type(value).__name__}")
+        for i, item in enumerate(value):
+            check_kubernetes_object(item, type_name[5:-1], f"{path}[{i}]")
+        return
+    if type_name.startswith("Dict["):
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: expected a map, got {type(value).__name__}")
+        for key, item in value.items():
+            check_kubernetes_object(item, type_name[5:-1].split(", ", 1)[1], f"{path}.{key}")
+        return
+    primitives = {"str": str, "int": int, "bool": bool, "float": (int, float)}
+    if type_name in primitives:
+        if not isinstance(value, primitives[type_name]) or (type_name == "int" and isinstance(value, bool)):
+            raise ValueError(f"{path}: expected {type_name}, got {value!r}")
+        return
+    model = getattr(k8s_models, type_name, None)
+    if model is None:  # "object" and other free-form types
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected an object ({type_name}), got {value!r}")
+    fields = {wire: model.openapi_types[attr] for attr, wire in model.attribute_map.items()}
+    for key, item in value.items():
+        if key not in fields:
+            raise ValueError(f"{path}: unknown field {key!r} (known: {', '.join(sorted(fields))})")
+        check_kubernetes_object(item, fields[key], f"{path}.{key}")
+
+
 class PlacementSpec(_Model):
-    """Where engine pods run. ``affinity`` is a core/v1 Affinity, passed through unchanged."""
+    """Where engine pods run. ``affinity`` is a core/v1 Affinity, passed through unchanged once its shape is checked
+    (the CRD keeps it free-form: a typo would otherwise be dropped by the API server with only a warning)."""
 
     node_selector: dict[str, LabelValue] | None = None
     tolerations: list[Toleration] | None = None
@@ -256,6 +294,13 @@ class PlacementSpec(_Model):
         default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )
     priority_class_name: Dns1123Name | None = None
+
+    @field_validator("affinity")
+    @classmethod
+    def _check_affinity(cls, affinity: dict[str, Any] | None) -> dict[str, Any] | None:
+        if affinity is not None:
+            check_kubernetes_object(affinity, "V1Affinity", "affinity")
+        return affinity
 
 
 class DisruptionBudgetSpec(_Model):

@@ -369,6 +369,14 @@ OPERATOR_ONLY_INVALID = [
     ("maxUnavailable", "spec.disruptionBudget.maxUnavailable", -1, ">= 0"),
     ("storageUri", "spec.model.storageUri", "s3://bucket/llama", "scheme s3:// is not supported"),
     ("storageUri", "spec.model.storageUri", "hf://just-a-name", "expected hf://ORG/REPO[@REVISION]"),
+    # affinity is free-form in the CRD: a real server drops a typo with a warning (pods schedule anywhere, and the
+    # operator re-patched the missing field every resync); the operator checks it against the client's models.
+    ("affinity", "spec.placement.affinity", {"nodeAfinity": {}}, "unknown field 'nodeAfinity'"),
+    ("affinity", "spec.placement.affinity",
+     {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExcution": {"nodeSelectorTerms": []}}},
+     "unknown field 'requiredDuringSchedulingIgnoredDuringExcution'"),
+    ("affinity", "spec.placement.affinity",
+     {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": "high"}]}}, "expected int"),
 ]
 
 
