@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import socket
 import threading
 import time
 from typing import Any, Callable
 
 import kmock
 
+from conftest import free_port
 from radixserve import constants
 from radixserve.operator.main import OperatorConfig, run_operator
 from radixserve.operator.metrics import OperatorMetrics
@@ -94,9 +94,7 @@ class OperatorHarness:
         self._stop, ready = threading.Event(), threading.Event()
         metrics_port = None
         if metrics:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                metrics_port = self.metrics_port = s.getsockname()[1]
+            metrics_port = self.metrics_port = free_port()
         config = OperatorConfig(image="radixserve:test", all_namespaces=True, resync_seconds=resync_seconds,
                                 metrics_host="127.0.0.1", metrics_port=metrics_port)
 

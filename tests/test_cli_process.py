@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -12,21 +11,15 @@ import time
 import httpx
 import pytest
 
-from conftest import MODEL_DIR, ROOT, requires_model
+from conftest import MODEL_DIR, ROOT, free_port, requires_model
 
 pytestmark = [requires_model, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sigint_with_requests_in_flight_aborts_them_and_exits(tmp_path):
     # Regression: SIGINT waited out uvicorn's graceful timeout, then cut streams without [DONE] and answered the
     # non-streaming request with a plain-text 500 and CancelledError tracebacks.
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "engine.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixserve", "engine", "--model-path", MODEL_DIR, "--port", str(port),

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from conftest import free_port
 from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 from operator_scenario import OperatorHarness, child_path, isvc_body, isvc_path, until
 from radixserve import constants
@@ -88,9 +88,7 @@ async def test_process_reconciles_against_the_emulator_and_stops_on_sigterm(k8s)
     h = OperatorHarness(emulator, api)  # declares the CRD; the operator itself runs in the subprocess
     # A namespaced operator waits until its namespace exists (kopf lists and watches namespaces).
     await h.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # The k8s fixture points KUBECONFIG at the emulator; the child inherits it (no in-cluster variables).
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "radixserve", "operator", "--namespace", "ml", "--image", "radixserve:cli",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import MODEL_DIR, requires_model
+from conftest import MODEL_DIR, free_port, requires_model
 from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 from operator_scenario import NS, OperatorHarness, child_path, isvc_body, isvc_path, until
 from radixserve import constants
@@ -38,12 +37,6 @@ SPEC = {
 }
 
 pytestmark = [pytest.mark.slow, requires_model, pytest.mark.asyncio, pytest.mark.timeout(300)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +125,7 @@ async def test_rendered_engine_and_router_serve_openai_through_engine_service_di
         engine_svc = await until(lambda: h.get(engine_svc_path), what="engine Service")
 
         # kubelet: the engine pod.
-        engine_port, engine_log = _free_port(), str(tmp_path / "engine.log")
+        engine_port, engine_log = free_port(), str(tmp_path / "engine.log")
         procs.append(_spawn(_as_local_process(_container(engine_dep), engine_port), engine_log))
         async with httpx.AsyncClient(timeout=10) as client:
             await _http_ok(client, f"http://127.0.0.1:{engine_port}{constants.ENGINE_HEALTH_PATH}", procs[0],
@@ -142,7 +135,7 @@ async def test_rendered_engine_and_router_serve_openai_through_engine_service_di
                            _endpoint_slice(engine_svc, engine_port, pod=f"{engine_dep['metadata']['name']}-abc12"))
 
             # kubelet: the router pod, discovering engines through the emulated API server ($KUBECONFIG).
-            router_port, router_log = _free_port(), str(tmp_path / "router.log")
+            router_port, router_log = free_port(), str(tmp_path / "router.log")
             procs.append(_spawn(_as_local_process(_container(router_dep), router_port), router_log))
             router = f"http://127.0.0.1:{router_port}"
             await _http_ok(client, router + constants.ROUTER_READY_PATH, procs[1], router_log)

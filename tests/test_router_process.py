@@ -4,7 +4,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -12,22 +11,16 @@ import time
 
 import httpx
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from fake_engine import FakeEngine, ServerThread, load_tokenizer
 from radixserve.engine.server.http import create_app as engine_app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sigterm_ends_streams_with_an_error_event(tmp_path):
     # Regression: streams were cut without an event after the 5 s graceful timeout, one traceback logged per stream.
     slow = FakeEngine(load_tokenizer(), delay_s=0.2)
     with ServerThread(engine_app(slow, manage_engine=False)) as upstream:
-        port = _free_port()
+        port = free_port()
         log = open(tmp_path / "router.log", "w+")
         proc = subprocess.Popen(
             [sys.executable, "-m", "radixserve", "router", "--worker-urls", upstream, "--port", str(port),
