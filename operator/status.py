@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from radixserve import constants
+from radixserve.endpointslice import serving_address
 from radixserve.operator.render import engine_selector
 from radixserve.operator.spec import InferenceService
 
@@ -83,16 +84,9 @@ def format_time(now: datetime) -> str:
 
 def ready_endpoint_count(slices: list[dict]) -> int:
     """Distinct addresses of ready, non-terminating endpoints in ``slices`` (discovery.k8s.io/v1 dicts). A nil
-    ``conditions.ready`` counts as ready (the API says so), the same rule the router's discovery applies."""
-    addresses: set[str] = set()
-    for obj in slices:
-        for ep in obj.get("endpoints") or []:
-            conditions = ep.get("conditions") or {}
-            if conditions.get("ready") is False or conditions.get("terminating") is True:
-                continue
-            if ep.get("addresses"):
-                addresses.add(str(ep["addresses"][0]))
-    return len(addresses)
+    ``conditions.ready`` counts as ready (the API says so): ``serving_address``, the rule the router applies too."""
+    addresses = {serving_address(ep) for obj in slices for ep in obj.get("endpoints") or []}
+    return len(addresses - {None})
 
 
 def _condition(type_: str, status: bool | str, reason: str, message: str, generation: int | None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from radixserve.constants import (
     LABEL_INFERENCE_SERVICE,
     LABEL_SERVICE_NAME,
 )
+from radixserve.endpointslice import serving_address
 from radixserve.router.types import Endpoint
 
 if TYPE_CHECKING:  # kubernetes is imported lazily: a router with static URLs never needs it
@@ -156,13 +157,9 @@ def endpoints_from_slices(slices: Sequence[dict[str, Any]], port_name: str = HTT
             continue
         labels = dict((obj.get("metadata") or {}).get("labels") or {})
         for ep in obj.get("endpoints") or []:
-            conditions = ep.get("conditions") or {}
-            if conditions.get("ready") is False or conditions.get("terminating") is True:
+            address = serving_address(ep)
+            if address is None:
                 continue
-            addresses = ep.get("addresses") or []
-            if not addresses:
-                continue
-            address = str(addresses[0])  # all addresses of one endpoint are fungible; use the first, as kube-proxy
             host = f"[{address}]" if ":" in address else address
             url = f"http://{host}:{port}"
             if url in result:
