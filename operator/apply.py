@@ -8,7 +8,7 @@ No PUT and no server-side apply (neither works everywhere the operator is tested
   drift; Kubernetes quantities are compared by value, so ``"1000m"`` equals ``1``), plus ``None`` for fields of the
   last applied manifest (annotation ``LAST_APPLIED_ANNOTATION``) that ``desired`` no longer has. No difference -> no
   request at all.
-- ``prune(api, owner_uid, desired, live)``: deletes live children owned by ``owner_uid`` that are no longer desired.
+- Prune: ``plan`` also deletes live children owned by this InferenceService that are no longer desired.
 - Two phases, so that a change the API server refuses leaves nothing half-applied: ``plan`` computes every create,
   patch and delete from the live objects (an existing object of a desired name that this InferenceService does not
   control is a conflict: it is never taken over), then ``execute`` sends each change with ``dryRun=All`` (the API
@@ -68,7 +68,6 @@ __all__ = [
     "subset_equal",
     "is_owned_by",
     "apply",
-    "prune",
 ]
 
 LAST_APPLIED_ANNOTATION = f"{constants.API_GROUP}/last-applied"
@@ -519,14 +518,3 @@ def execute(api: KubeApi, changes: list[Change], *, dry_run: bool,
             on_result(change, result)
     return results
 
-
-def prune(api: KubeApi, rtype: ResourceType, owner_uid: str | None, desired_names: set[str],
-          live: list[dict[str, Any]]) -> list[str]:
-    """Delete the objects of ``live`` (children of one kind, already selected by the InferenceService label) that are
-    owned by ``owner_uid`` and not in ``desired_names``; returns their names (``plan``'s delete rule, no dry run).
-    Raises ApplyRejected or kopf.TemporaryError as ``execute``."""
-    deletes = [Change(rtype, "delete", o["metadata"]["name"], None, o) for o in live
-               if o["metadata"]["name"] not in desired_names and not o["metadata"].get("deletionTimestamp")
-               and owner_uid is not None and is_owned_by(o, owner_uid)]
-    execute(api, deletes, dry_run=False)
-    return [c.name for c in deletes]
