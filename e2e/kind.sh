@@ -25,7 +25,7 @@ READY_TIMEOUT="${READY_TIMEOUT:-900s}"
 KEEP_CLUSTER="${KEEP_CLUSTER:-0}"
 SKIP_BUILD="${SKIP_BUILD:-0}"
 SCALE_TO="${SCALE_TO:-2}"
-# Values of radixserve/constants.py (this script runs without the project installed; tests/test_image_e2e_files.py
+# Values of src/radixserve/contracts/constants.py (this script runs without the project installed; tests/test_image_e2e_files.py
 # checks they agree): IMAGE_REPOSITORY, ROUTER_SERVICE_PORT, ENGINE_PORT; engine_deployment_name(NAME) = NAME-engine.
 IMAGE_REPOSITORY="radixserve"
 ROUTER_SERVICE_PORT=80

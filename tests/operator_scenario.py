@@ -21,7 +21,7 @@ from typing import Any, Callable
 import kmock
 
 from conftest import free_port
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.operator.main import OperatorConfig, run_operator
 from radixserve.operator.metrics import OperatorMetrics
 

@@ -22,7 +22,7 @@ import yaml
 
 from crd_validation import validate_custom_object
 from helm import CHART_DIR, ROOT, HelmError, helm_bin, helm_lint, helm_template, run_helm
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.operator import spec as isvc_spec
 from radixserve.operator.render import CHILD_TYPES, RenderOptions, render_children
 
@@ -394,8 +394,8 @@ def test_operator_args_parse_with_the_cli(values):
     help_text = operator_cli_help()
     missing = [f for f in flags if f not in help_text]
     if missing:
-        pytest.xfail(f"`radixserve operator --help` does not list {missing} yet (radixserve/cli.py, issue 5)")
-    from radixserve.cli import build_parser
+        pytest.xfail(f"`radixserve operator --help` does not list {missing} yet (src/radixserve/launch/cli.py, issue 5)")
+    from radixserve.launch.cli import build_parser
 
     try:
         ns = build_parser().parse_args(args)
@@ -478,7 +478,7 @@ def test_dashboard_uses_only_contract_metrics(all_objs):
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     exprs += [v["query"]["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
     used = set().union(*(metric_names(e) for e in exprs))
-    assert used - KNOWN_METRICS == set(), "dashboard metrics missing from radixserve/constants.py"
+    assert used - KNOWN_METRICS == set(), "dashboard metrics missing from src/radixserve/contracts/constants.py"
     # Histogram quantiles read the _bucket series, never the bare histogram name.
     for e in exprs:
         if "histogram_quantile" in e:

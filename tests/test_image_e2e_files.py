@@ -1,7 +1,7 @@
 """Static checks of the image (Dockerfile, Dockerfile.gpu, .dockerignore), the kind e2e script and the Kubernetes docs.
 
 No Docker engine or cluster exists here, so nothing is built or deployed: the Dockerfiles are parsed and held to the
-contracts in radixserve/constants.py, the e2e script is syntax-checked (and shellchecked when shellcheck is
+contracts in src/radixserve/contracts/constants.py, the e2e script is syntax-checked (and shellchecked when shellcheck is
 installed) and run against stub docker/kind/kubectl/helm/curl commands that record their calls, and the chart is
 rendered with the script's own `--set` flags when the project's helm binary (.tools/bin/helm) is present.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.operator import render, spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,7 +201,7 @@ def test_dockerignore_matcher_follows_dockers_rules():
 @pytest.mark.parametrize("path", [
     ".venv/bin/python", "models/smollm2-135m-instruct/model.safetensors", ".tools/bin/helm", ".git/HEAD",
     ".pytest_cache/v/x", ".hypothesis/examples/x", "engine/__pycache__/engine.cpython-311.pyc",
-    "radixserve.egg-info/PKG-INFO", "tests/test_engine.py", "build/lib/radixserve/cli.py",
+    "radixserve.egg-info/PKG-INFO", "tests/test_engine.py", "build/lib/src/radixserve/launch/cli.py",
 ])
 def test_dockerignore_keeps_local_state_out_of_the_build_context(path):
     assert dockerignored(path, dockerignore_patterns()), path
@@ -227,16 +227,14 @@ def test_every_path_the_dockerfiles_copy_is_in_the_build_context(name):
 
 
 def test_pip_install_dot_ships_engine_router_and_operator(tmp_path):
-    # The images run `pip install .` (not editable): the wheel must hold every radixserve.* package, including the
-    # ones whose sources live in the top-level folders engine/, router/, operator/. Built from a copy of what the
-    # image's build context holds, so no build/ or egg-info lands in the work tree.
-    src = tmp_path / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    # The images run `pip install .` (not editable): the wheel must hold every radixserve.* package under src/.
+    # Built from a copy of what the image's build context holds, so no build/ or egg-info lands in the work tree.
+    src = tmp_path / "context"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     src.mkdir()
     for item in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / item, src / item)
-    for item in ("radixserve", "engine", "router", "operator"):
-        shutil.copytree(ROOT / item, src / item, ignore=ignore)
+    shutil.copytree(ROOT / "src", src / "src", ignore=ignore)
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "w"),
          str(src)],
@@ -245,11 +243,12 @@ def test_pip_install_dot_ships_engine_router_and_operator(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = (tmp_path / "w").glob("radixserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for top, pkg in (("engine", "radixserve/engine"), ("router", "radixserve/router"), ("operator", "radixserve/operator")):
-        for init in (ROOT / top).rglob("__init__.py"):
-            rel = init.relative_to(ROOT / top).as_posix()
-            assert f"{pkg}/{rel}" in names, f"the wheel lacks {pkg}/{rel}"
-    assert not any(n.split("/")[0] in ("engine", "router", "operator") for n in names), "shadowing top-level packages"
+    inits = sorted((ROOT / "src").rglob("__init__.py"))
+    assert len(inits) > 10 and any("operator" in i.parts for i in inits)
+    for init in inits:
+        rel = init.relative_to(ROOT / "src").as_posix()
+        assert rel in names, f"the wheel lacks {rel}"
+    assert {n.split("/")[0] for n in names if not n.startswith("radixserve-")} == {"radixserve"}, "shadowing packages"
 
 
 # ---------------------------------------------------------------------------------------------------- e2e/kind.sh
@@ -456,13 +455,13 @@ def test_docs_cover_every_storage_scheme_and_the_autoscaling_metrics():
 
 
 def test_docs_explain_every_condition_reason_the_operator_sets():
-    src = (ROOT / "operator" / "status.py").read_text()
+    src = (ROOT / "src" / "radixserve" / "operator" / "status.py").read_text()
     reasons = set(re.findall(r'_condition\("\w+", (?:True|False|"\w+"), "(\w+)"', src))
     reasons |= set(re.findall(r'problems\.append\(\("(\w+)"', src))
     assert len(reasons) >= 8, reasons  # the extraction still finds them
     # Reasons of writes the API server refused or could not take (apply.py, handlers.py).
     for module in ("apply.py", "handlers.py"):
-        other = (ROOT / "operator" / module).read_text()
+        other = (ROOT / "src" / "radixserve" / "operator" / module).read_text()
         reasons |= set(re.findall(r'ApplyRejected\("(\w+)"', other))
         reasons |= {r for pair in re.findall(r'reason = "(\w+)" if [^\n]* else "(\w+)"', other) for r in pair}
     assert {"ChildConflict", "ApplyFailed"} <= reasons, reasons

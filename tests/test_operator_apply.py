@@ -13,7 +13,7 @@ import kopf
 import pytest
 
 from k8s_emulator import K8sEmulator, k8s, strip_empty  # noqa: F401 - pytest fixture
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.operator.apply import (
     LAST_APPLIED_ANNOTATION,
     ApplyRejected,

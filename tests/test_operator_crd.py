@@ -18,7 +18,7 @@ import pytest
 import yaml
 from crd_validation import apply_defaults, to_jsonschema, validate_custom_object
 
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.operator import crd as crd_mod
 from radixserve.operator import spec
 

@@ -24,7 +24,7 @@ def _containers(children: list[dict]):
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_renders_valid_children_and_parseable_command_lines(path: Path) -> None:
-    from radixserve.cli import build_parser
+    from radixserve.launch.cli import build_parser
 
     doc = yaml.safe_load(path.read_text())
     doc["metadata"].setdefault("namespace", "default")

@@ -30,7 +30,7 @@ from operator_scenario import (
     until,
     writes,
 )
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.operator.render import CHILD_TYPES, engine_selector
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]

@@ -27,7 +27,7 @@ import pytest
 from conftest import MODEL_DIR, free_port, requires_model
 from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 from operator_scenario import NS, OperatorHarness, child_path, isvc_body, isvc_path, until
-from radixserve import constants
+from radixserve.contracts import constants
 
 NAME = "demo"
 SPEC = {

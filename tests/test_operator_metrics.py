@@ -1,8 +1,8 @@
-"""The operator exports exactly the metric names in radixserve/constants.py (the dashboard and alerts use those)."""
+"""The operator exports exactly the metric names in src/radixserve/contracts/constants.py (the dashboard and alerts use those)."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.operator.metrics import OperatorMetrics
 
 

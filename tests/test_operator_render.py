@@ -14,7 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.operator.render import (
     CHILD_TYPES,
     CONFIG_HASH_ANNOTATION,
@@ -251,7 +251,7 @@ def endpoint_slice_for(service: dict, pod_ips: list[str], container_port: int) -
 
 
 def parse_cli(argv: list[str]):
-    from radixserve.cli import build_parser
+    from radixserve.launch.cli import build_parser
 
     return build_parser().parse_args(argv)
 

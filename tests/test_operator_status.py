@@ -11,7 +11,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.operator.render import RenderOptions, engine_selector, render_children
 from radixserve.operator.spec import InferenceService, InferenceServiceStatus
 from radixserve.operator.status import ApplyError, ObservedChildren, compute_status, invalid_spec_status

@@ -1,12 +1,12 @@
-"""radixserve.protocol: OpenAI/native request parsing and response serialization."""
+"""radixserve.contracts.protocol: OpenAI/native request parsing and response serialization."""
 
 import json
 
 import pytest
 from pydantic import ValidationError
 
-from radixserve import constants
-from radixserve.protocol import (
+from radixserve.contracts import constants
+from radixserve.contracts.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionStreamChoice,

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from fake_engine import FakeEngine, ServerThread, load_tokenizer, sse_payloads, wait_until
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.engine.io_struct import InvalidRequestError
 from radixserve.engine.server.http import create_app as engine_app
 from radixserve.router.app import create_app

@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from k8s_emulator import K8sEmulator, write_kubeconfig
 from k8s_emulator import k8s  # noqa: F401 - pytest fixture
-from radixserve.constants import COMPONENT_ENGINE, COMPONENT_ROUTER, LABEL_COMPONENT, LABEL_INFERENCE_SERVICE
+from radixserve.contracts.constants import COMPONENT_ENGINE, COMPONENT_ROUTER, LABEL_COMPONENT, LABEL_INFERENCE_SERVICE
 from radixserve.router.discovery import (
     LABEL_SERVICE_NAME,
     EndpointSliceDiscovery,

@@ -14,7 +14,7 @@ import pytest
 
 from fake_engine import FakeEngine, ServerThread, load_tokenizer
 from k8s_emulator import k8s  # noqa: F401 - pytest fixture
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.engine.server.http import create_app as engine_app
 from radixserve.router.app import create_app
 from radixserve.router.config import RouterArgs

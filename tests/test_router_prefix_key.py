@@ -93,7 +93,7 @@ def test_chat_key_is_the_engines_prompt(ex, tok):
     """Chat blocks are the blocks of the engine's own rendering (render_prompt + encode without special tokens),
     including developer -> system, content parts joined by newlines, and names."""
     from radixserve.engine.server.chat import render_prompt
-    from radixserve.protocol import ChatCompletionRequest
+    from radixserve.contracts.protocol import ChatCompletionRequest
 
     messages = [
         {"role": "developer", "content": SYSTEM},

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from radixserve import constants
-from radixserve.cli import build_parser, main, resolve_model_path
+from radixserve.contracts import constants
+from radixserve.launch.cli import build_parser, main, resolve_model_path
 
 
 def test_operator_with_an_unknown_flag_is_a_usage_error(capsys):
@@ -22,7 +22,7 @@ def test_router_without_workers_is_a_clear_usage_error(capsys):
 
 def test_up_forwards_engine_flags_and_splits_threads():
     from radixserve.engine.config import engine_args_from_namespace
-    from radixserve.local_stack import engine_argv, split_threads
+    from radixserve.launch.local_stack import engine_argv, split_threads
 
     ns = build_parser().parse_args(["up", "--context-length", "2048", "--disable-radix-cache", "--engines", "3",
                                     "--policy", "round_robin"])
@@ -84,7 +84,7 @@ def test_up_refuses_busy_or_clashing_ports():
     # forever; with the router on an engine port, the router probed itself.
     import socket
 
-    from radixserve.local_stack import check_ports_free
+    from radixserve.launch.local_stack import check_ports_free
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

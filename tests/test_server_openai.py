@@ -5,7 +5,7 @@ from fastapi.testclient import TestClient
 
 from fake_engine import client, engine, tokenizer  # noqa: F401 - shared pytest fixtures
 from fake_engine import FakeEngine, sse_payloads
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.engine.server.http import create_app
 
 MODEL = "smollm2-135m-instruct"

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from fake_engine import FakeEngine, ServerThread, load_tokenizer, sse_payloads
 from fake_engine import tokenizer  # noqa: F401 - shared pytest fixture
-from radixserve import constants
+from radixserve.contracts import constants
 from radixserve.engine.io_struct import InvalidRequestError, SamplingParams
 from radixserve.engine.server.chat import RenderOptions, TemplateCaps, render_prompt
 from radixserve.engine.server.http import create_app
@@ -29,7 +29,7 @@ from radixserve.engine.server.tools import (
     tools_prompt,
     validate_tools,
 )
-from radixserve.protocol import ChatCompletionRequest
+from radixserve.contracts.protocol import ChatCompletionRequest
 
 MODEL = "smollm2-135m-instruct"
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -1,5 +1,5 @@
 {{/*
-Names and labels. The label app.kubernetes.io/name is always "radixserve" (radixserve.constants.LABEL_NAME_VALUE):
+Names and labels. The label app.kubernetes.io/name is always "radixserve" (radixserve.contracts.constants.LABEL_NAME_VALUE):
 the operator's children carry it too, and the monitors select engines, routers and the operator by it.
 */}}
 

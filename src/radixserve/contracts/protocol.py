@@ -1,0 +1,396 @@
+"""OpenAI-compatible and native request/response types, shared by the engine's HTTP server and the router.
+
+Shapes follow the official OpenAI API (chat completions, legacy completions, models, error body) and SGLang's native
+``/generate`` (see shared/CONTRACTS.md "Native request"); the models mirror SGLang's
+``srt/entrypoints/openai/protocol.py``. Requests accept unknown keys (clients send ``user``, ``metadata`` ...) and
+ignore them; every key that would change the output and that we cannot honour is declared here so the server can
+refuse it with a 400 instead of silently ignoring it.
+
+This module must not import the engine: the router uses it too.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from radixserve.contracts import constants
+
+# The most alternatives per token that we return (OpenAI's limit for chat ``top_logprobs``).
+MAX_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI-style error body: ``{"object": "error", "message", "type", "param", "code"}``.
+
+    ``type`` comes from ``radixserve.contracts.constants.ERROR_TYPES`` by HTTP ``status`` (``"error"`` for an unlisted status);
+    ``code`` is the HTTP status.
+    """
+    return {
+        "object": "error",
+        "message": message,
+        "type": constants.ERROR_TYPES.get(status, "error"),
+        "param": param,
+        "code": status,
+    }
+
+
+def random_id() -> str:
+    """A fresh 32-hex-digit id (request ids, response ids)."""
+    return uuid.uuid4().hex
+
+
+def now() -> int:
+    """Unix time in whole seconds (the ``created`` field)."""
+    return int(time.time())
+
+
+class _Request(BaseModel):
+    # Unknown keys are accepted and ignored, as OpenAI clients send fields we do not use.
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the request's usage."""
+
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _SamplingExtras(_Request):
+    """SGLang/vLLM extra sampling keys accepted by both OpenAI endpoints (passed to the engine's SamplingParams)."""
+
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # SGLang's constrained decoding keys (at most one, and not with a JSON ``response_format``): ``json_schema`` is a
+    # JSON schema (object or JSON text), ``regex`` a regular expression, ``ebnf`` a grammar in xgrammar's EBNF.
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: Any = None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Chat completions
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class ContentPart(BaseModel):
+    """One part of a message's ``content`` list: ``{"type": "text", "text": ...}`` or a non-text part."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One chat message. ``content`` is a string, a list of parts, or null (an assistant turn with tool calls).
+
+    ``tool_calls``: an assistant turn's calls (OpenAI shape ``{"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}``); ``tool_call_id``: on a ``role: "tool"`` message, the call it answers.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingExtras):
+    """``POST /v1/chat/completions`` body (OpenAI shape plus SGLang's extra sampling keys)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated predecessors of tools / tool_choice: declared so the server refuses them (400) instead of
+    # ignoring them.
+    functions: Any = None
+    function_call: Any = None
+
+
+class ChatLogprobTop(BaseModel):
+    """One alternative in ``top_logprobs``: the token's text, its logprob and its UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(BaseModel):
+    """One generated token in ``choices[].logprobs.content``."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[].logprobs`` of a chat completion: one entry per generated token."""
+
+    content: list[ChatLogprobEntry] | None = None
+
+
+class FunctionCall(BaseModel):
+    """``tool_calls[].function``: the function's name and its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call in a response message: ``{"id": "call_...", "type": "function", "function": {...}}``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _drop_keys_if_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if not (k in keys and v is None)}
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant's message. ``content`` is null when the reply is only tool calls; ``tool_calls`` and
+    ``reasoning_content`` (text between ``<think>`` tags, with a reasoning parser) are left out when absent."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_keys_if_none(handler(self), ("reasoning_content", "tool_calls"))
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class CompletionTokensDetails(BaseModel):
+    """``usage.completion_tokens_details``: ``reasoning_tokens`` of the completion were reasoning (``<think>``)."""
+
+    reasoning_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token usage; ``prompt_tokens_details.cached_tokens`` counts prompt tokens served from the prefix cache.
+
+    ``completion_tokens_details`` is only sent when a reasoning parser is enabled (left out when None)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_keys_if_none(handler(self), ("completion_tokens_details",))
+
+    @classmethod
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None
+    ) -> "Usage":
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=(
+                None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+            ),
+        )
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """One entry of a streamed ``delta.tool_calls``: ``index`` says which call it extends; the first delta of a
+    call carries ``id``, ``type`` and ``function.name``, later ones append to ``function.arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaMessage(BaseModel):
+    """A streamed chat delta; unset fields are left out of the JSON (OpenAI sends ``{}`` on the last chunk)."""
+
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE chunk of a streamed chat completion. ``usage`` is only sent with ``stream_options.include_usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Usage | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Legacy completions
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class CompletionRequest(_SamplingExtras):
+    """``POST /v1/completions`` body. ``prompt``: a string, strings, token ids, or lists of token ids."""
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy logprobs: parallel lists over the returned tokens; ``text_offset`` indexes into the choice's text.
+
+    ``token_logprobs``/``top_logprobs`` entries are null where no logprob is known (echoed prompt tokens).
+    """
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+CompletionChunk = CompletionResponse  # streamed chunks have the same shape, with incremental ``text``
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "radixserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Native /generate
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class GenerateReqInput(_Request):
+    """Native ``POST /generate`` body (SGLang's ``GenerateReqInput``, see shared/CONTRACTS.md).
+
+    Exactly one of ``text`` and ``input_ids``; a list of prompts (``[str]`` or ``[[int]]``) makes a batch and the
+    response is a list. ``sampling_params`` is one dict for all prompts or a list with one per prompt.
+    """
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None

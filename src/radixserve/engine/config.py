@@ -1,0 +1,124 @@
+"""Engine configuration: one dataclass with defaults that run on a laptop; CLI flags follow SGLang's names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from radixserve.contracts import constants
+
+
+@dataclass
+class EngineArgs:
+    """Engine server arguments. Token counts are in tokens, times in seconds."""
+
+    model_path: str = constants.DEMO_MODEL_DIR
+    tokenizer_path: str | None = None  # default: model_path
+    served_model_name: str | None = None  # default: the model directory's name
+    host: str = constants.PUBLIC_HOST
+    port: int = constants.ENGINE_PORT
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    context_length: int | None = None  # default: the model's max_position_embeddings
+    max_total_tokens: int | None = None  # KV pool size in tokens; default from memory budget
+    max_running_requests: int = 64
+    max_queued_requests: int = 256
+    max_prefill_tokens: int = 4096
+    chunked_prefill_size: int = 1024
+    schedule_policy: str = "lpm"  # lpm | fcfs
+    disable_radix_cache: bool = False
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    num_threads: int | None = None  # torch intra-op threads (CPU)
+    stream_interval: int = 1  # tokens between streamed chunks
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    api_key: str | None = None
+    log_level: str = "info"
+    warmup: bool = True
+    # JSON object of sampling defaults for fields a request leaves unset (SGLang's --preferred-sampling-params),
+    # e.g. '{"temperature": 0.2, "top_p": 0.9}' as the SmolLM2 model card recommends.
+    preferred_sampling_params: str | None = None
+
+    # ---- OpenAI compatibility switches, from real deployments; all off by default (engine/server/chat.py, tools.py)
+    # Chat only: max_tokens when the client sends neither max_tokens nor max_completion_tokens (clamped to the room
+    # left in the context). Off (None): all the room left, as before.
+    default_chat_max_tokens: int | None = None
+    # Serve tool_choice "required" or a named function as "auto" (no constrained call: the model chooses and calls
+    # are parsed from its text), for clients that force a tool on models/deployments that should not be constrained.
+    # tool_choice "none" is still honoured (tools ignored): serving it as auto could return calls the client forbade.
+    tool_choice_as_auto: bool = False
+    # A role "tool" message whose content is a list of only text parts is flattened to one string (parts joined by
+    # newlines) even when the chat template takes content lists (templates that take only strings always get one).
+    flatten_tool_content: bool = False
+    # Accept {"type": "image_url", "image_url": "<url>"} (a bare string, as some clients send) as {"url": "<url>"};
+    # a text-only model then answers 400 "model does not accept image input". Off: the bare string is a 400 naming it.
+    accept_bare_image_url: bool = False
+    # Streaming: every error known before the first chunk is already an HTTP error (validation, queue full, grammar
+    # compile); with this switch an engine abort carried by a request's first output is one too, instead of an SSE
+    # error event after the 200 (the stream's first bytes are held until every first output was checked).
+    stream_error_preflight: bool = False
+    # Reasoning parser for chat: "think" moves <think>...</think> text to message.reasoning_content (stream and
+    # non-stream) and reports usage.completion_tokens_details.reasoning_tokens. None: no parsing.
+    reasoning_parser: str | None = None
+
+
+# Flags with a fixed set of values (checked by argparse).
+_CHOICES = {"reasoning_parser": ["think"]}
+
+# One line of ``--help`` per EngineArgs field (argparse appends the default); a test checks every field has one.
+HELP: dict[str, str] = {
+    "model_path": "model directory (safetensors + tokenizer) or .gguf file",
+    "tokenizer_path": "tokenizer directory (default: --model-path)",
+    "served_model_name": "model name in the OpenAI API (default: the model directory's name)",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "dtype": "weight and activation dtype: auto, float32, bfloat16 or float16",
+    "device": "device: auto, cpu or cuda",
+    "context_length": "longest prompt + completion in tokens (default: the model's max_position_embeddings)",
+    "max_total_tokens": "KV cache pool size in tokens (default: from the memory budget)",
+    "max_running_requests": "most requests decoded in one batch",
+    "max_queued_requests": "most requests waiting; more are answered 429",
+    "max_prefill_tokens": "most prompt tokens prefilled in one forward pass",
+    "chunked_prefill_size": "prompt tokens per chunk of a long prefill",
+    "schedule_policy": "waiting-queue order: lpm (longest prefix match first) or fcfs",
+    "disable_radix_cache": "do not reuse cached prompt prefixes (the radix tree)",
+    "attention_backend": "attention kernels: auto, torch or flashinfer",
+    "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
+    "stream_interval": "tokens between streamed chunks",
+    "max_request_body_bytes": "largest request body in bytes; larger ones are answered 413",
+    "api_key": "require 'Authorization: Bearer KEY' on every request but health probes and metrics",
+    "log_level": "log level: debug, info, warning or error",
+    "warmup": "run a warmup forward pass before serving (--no-warmup: skip it)",
+    "preferred_sampling_params": "JSON object of sampling defaults for fields a request leaves unset, "
+                                 "e.g. '{\"temperature\": 0.2}'",
+    "default_chat_max_tokens": "compatibility: chat max_tokens when a request sends none (default: all the room "
+                               "left in the context)",
+    "tool_choice_as_auto": "compatibility: serve tool_choice 'required' or a named function as 'auto' (no "
+                           "constrained call)",
+    "flatten_tool_content": "compatibility: join a tool message's text parts into one string for the chat template",
+    "accept_bare_image_url": "compatibility: accept image_url given as a bare string (still refused by a text-only "
+                             "model)",
+    "stream_error_preflight": "compatibility: an engine abort on a stream's first output is an HTTP error, not an "
+                              "SSE error event",
+    "reasoning_parser": "move <think>...</think> text to reasoning_content (think); default: no parsing",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add every ``EngineArgs`` field as a ``--kebab-case`` flag with its ``HELP`` line.
+
+    A boolean that defaults to on (``warmup``) gets ``--no-...`` too, so it can be turned off."""
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = HELP[f.name] + (" (default: %(default)s)" if f.default is not None else "")
+        if f.type in ("bool", bool):
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            parser.add_argument(flag, action=action, default=f.default, help=HELP[f.name])
+        else:
+            typ = int if "int" in str(f.type) else str
+            parser.add_argument(flag, type=typ, default=f.default, choices=_CHOICES.get(f.name), help=help_text)
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    """Build ``EngineArgs`` from parsed flags."""
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})

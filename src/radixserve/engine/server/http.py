@@ -1,0 +1,209 @@
+"""The engine's HTTP server: ``create_app(engine)`` builds the FastAPI app (OpenAI, native and operational routes).
+
+Routes: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /v1/models/{model}``, ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``POST /flush_cache``,
+``POST /abort_request``, ``GET /metrics``, ``GET /get_tokenizer_files`` (for routers that key on token blocks). Every error is the OpenAI error body (``radixserve.contracts.protocol.error_body``):
+validation errors are 400 (not FastAPI's 422), unexpected exceptions 500 without a traceback. A pure-ASGI middleware
+assigns and echoes ``x-request-id``, enforces the request body limit (413) and the optional bearer API key (401).
+The HTTP event loop never runs a model forward: the engine's scheduler thread does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+
+from radixserve.contracts import constants
+from radixserve.engine.io_struct import InvalidRequestError
+from radixserve.contracts.edge import EdgeMiddleware, error_response
+from radixserve.engine.server.common import ServerContext
+from radixserve.engine.server.generation import ClientDisconnected
+from radixserve.engine.server.native import NativeServing
+from radixserve.engine.server.openai_api import OpenAIServing
+from radixserve.contracts.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateReqInput,
+    ModelCard,
+    ModelList,
+    error_body,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixserve.engine.engine import Engine
+
+logger = logging.getLogger("radixserve.engine.server")
+
+# Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key).
+_OPEN_PATHS = frozenset({constants.ENGINE_HEALTH_PATH, constants.ENGINE_HEALTH_GENERATE_PATH, "/metrics"})
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts = []
+    param = None
+    for err in exc.errors()[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        if param is None and where:
+            param = where
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def create_app(engine: "Engine", manage_engine: bool = True) -> FastAPI:
+    """The engine's FastAPI app.
+
+    With ``manage_engine`` the app's lifespan starts the engine (``engine.start()`` in a worker thread, so ``/health``
+    answers 503 while it warms up) and shuts it down on exit (Ctrl-C, SIGTERM). Pass False when the caller starts
+    and stops the engine itself.
+    """
+    ctx = ServerContext.of(engine)
+    openai = OpenAIServing(ctx)
+    native = NativeServing(ctx)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starter: asyncio.Task[None] | None = None
+        if manage_engine:
+            starter = asyncio.ensure_future(asyncio.to_thread(engine.start))
+            starter.add_done_callback(_log_start_failure)
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await asyncio.to_thread(engine.shutdown)
+                if starter is not None and not starter.done():
+                    starter.cancel()
+
+    app = FastAPI(title="radixserve engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    app.add_middleware(
+        EdgeMiddleware, max_body_bytes=engine.args.max_request_body_bytes, api_key=engine.args.api_key,
+        open_paths=_OPEN_PATHS
+    )
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _on_invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(exc.message, exc.status_code, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    @app.exception_handler(Exception)
+    async def _on_error(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - the middleware
+        logger.exception("unhandled error")  # catches first; kept for errors raised outside it
+        return error_response("internal server error", 500)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await openai.chat(request, body)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await openai.completions(request, body)
+
+    @app.post("/generate")
+    async def generate(body: GenerateReqInput, request: Request) -> Response:
+        return await native.generate(request, body)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=ctx.model_name, root=engine.args.model_path, max_model_len=ctx.context_length)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> JSONResponse:
+        ctx.check_model(model)
+        return JSONResponse(model_card().model_dump())
+
+    @app.get(constants.ENGINE_HEALTH_PATH)
+    async def health() -> Response:
+        if engine.is_healthy():
+            return Response(status_code=200)
+        return error_response("the engine is not ready", 503)
+
+    @app.get(constants.ENGINE_HEALTH_GENERATE_PATH)
+    async def health_generate() -> Response:
+        if engine.is_healthy() and await engine.health_generate():
+            return Response(status_code=200)
+        return error_response("the engine failed to generate", 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> JSONResponse:
+        return JSONResponse(engine.model_info())
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        if await engine.flush_cache():
+            return JSONResponse({"success": True, "message": "Cache flushed."})
+        return error_response("cannot flush the cache while requests are running", 400)
+
+    @app.post("/abort_request")
+    async def abort_request(body: dict[str, Any]) -> Response:
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequestError("rid must be a non-empty string", "rid")
+        engine.abort(rid)
+        return JSONResponse({"success": True})
+
+    tokenizer_files: dict[str, str] = {}
+
+    @app.get(constants.ENGINE_TOKENIZER_FILES_PATH)
+    async def get_tokenizer_files() -> JSONResponse:
+        if not tokenizer_files:
+            tokenizer_files.update(await asyncio.to_thread(saved_tokenizer_files, engine.tokenizer))
+        if not tokenizer_files:
+            return error_response("this engine's tokenizer cannot be served as text files", 404)
+        return JSONResponse({"model": ctx.model_name, "files": tokenizer_files})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        content, content_type = engine.metrics.render()
+        return Response(content=content, media_type=content_type)
+
+    return app
+
+
+def saved_tokenizer_files(tokenizer: Any) -> dict[str, str]:
+    """The text files ``tokenizer.save_pretrained`` writes (tokenizer.json, tokenizer_config.json, chat template...),
+    by file name, so a router can rebuild the same tokenizer and chat template without storing the model."""
+    import os
+    import tempfile
+
+    files: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="radixserve-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        for name in sorted(os.listdir(tmp)):
+            try:
+                with open(os.path.join(tmp, name), encoding="utf-8") as f:
+                    files[name] = f.read()
+            except (UnicodeDecodeError, IsADirectoryError):  # a binary vocab (sentencepiece .model) cannot go in JSON
+                logger.warning("tokenizer file %s is not text; routers fall back to character blocks", name)
+                return {}
+    return files
+
+
+def _log_start_failure(task: "asyncio.Future[None]") -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("engine failed to start", exc_info=task.exception())

@@ -1,0 +1,186 @@
+"""The ``radixserve`` console script (also ``python -m radixserve``).
+
+``radixserve engine [flags]``   one engine (FastAPI + uvicorn) on --host/--port (default 127.0.0.1:30000).
+``radixserve router [flags]``   the cache-aware router (default 127.0.0.1:8000) in front of engines.
+``radixserve up [flags]``       the local stack: the router on 127.0.0.1:8000 in front of --engines engine processes
+                                on 127.0.0.1:30000, 30001, ... serving the demo model (engine flags apply to each).
+``radixserve operator [flags]`` the Kubernetes operator (kopf): reconciles InferenceServices
+                                (``radixserve.operator.main``; flags in ``add_operator_args``).
+
+Engine flags are ``EngineArgs`` fields in ``--kebab-case`` (``radixserve.engine.config.add_engine_args``); router flags
+are ``RouterArgs`` fields (``radixserve.router.config.add_router_args``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from typing import Any
+from pathlib import Path
+
+from radixserve.contracts import constants
+
+_REPO_ROOT = Path(__file__).resolve().parents[3]  # src/radixserve/launch/cli.py -> the checkout
+_NOT_YET: dict[str, int] = {}  # subcommand -> the issue that builds it
+
+
+def resolve_model_path(path: str) -> str:
+    """``path`` as given if it exists; else, for a relative path, the same path under the repository root (so the
+    demo model is found from any working directory); else ``path`` unchanged (the engine reports it)."""
+    if os.path.exists(path) or os.path.isabs(path):
+        return path
+    candidate = _REPO_ROOT / path
+    return str(candidate) if candidate.exists() else path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from radixserve.engine.config import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="radixserve", description="SGLang-style LLM serving")
+    from radixserve.router.config import add_router_args
+    from radixserve.router.policy import POLICIES
+
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,router,operator}")
+    p_engine = sub.add_parser("engine", help="run one engine (OpenAI-compatible HTTP server)")
+    add_engine_args(p_engine)
+    p_router = sub.add_parser("router", help="run the cache-aware router in front of engines")
+    add_router_args(p_router)
+    p_up = sub.add_parser(
+        "up", help=f"run the local stack (router on {constants.PUBLIC_HOST}:{constants.PUBLIC_PORT} + engines)",
+        description="--host/--port/--api-key/--log-level/--max-request-body-bytes apply to the router (the public "
+        "endpoint); every other engine flag is passed to each engine.",
+    )
+    add_engine_args(p_up)
+    p_up.add_argument("--engines", type=int, default=2, help="engine processes behind the router (default 2)")
+    p_up.add_argument("--engine-base-port", type=int, default=constants.ENGINE_PORT,
+                      help="port of the first engine; the others take the next ports")
+    p_up.add_argument("--policy", choices=POLICIES, default="prefix_hash", help="routing policy")
+    # At OpenAI's default temperature 1.0 the 4-bit 135M demo model rambles (see DEMO_MODEL_SAMPLING_DEFAULTS);
+    # requests that set temperature still get what they ask for.
+    p_up.set_defaults(host=constants.PUBLIC_HOST, port=constants.PUBLIC_PORT, model_path=constants.DEMO_MODEL_DIR,
+                      preferred_sampling_params=constants.DEMO_MODEL_SAMPLING_DEFAULTS)
+    from radixserve.operator.main import add_operator_args
+
+    p_operator = sub.add_parser(
+        "operator", help="run the Kubernetes operator (reconciles radixserve.io InferenceServices)",
+        description="Run the kopf operator: watches InferenceServices (--namespace NS ... or --all-namespaces) and "
+        "keeps their engine/router children, autoscaler, disruption budget and status in step. Serves /metrics and "
+        "/healthz on --metrics-port (radixserve's own endpoint, not kopf's liveness probe). Credentials: the "
+        "in-cluster service account, else the kubeconfig.",
+    )
+    add_operator_args(p_operator)
+    for name, issue in _NOT_YET.items():
+        sub.add_parser(name, help=f"not implemented yet (issue {issue})")
+    return parser
+
+
+def run_engine(args: "EngineArgs") -> int:  # noqa: F821 - imported lazily (torch is slow to import)
+    """Load the engine, serve it with uvicorn until Ctrl-C/SIGTERM (the app's lifespan shuts the engine down)."""
+    import uvicorn
+
+    from radixserve.engine.engine import Engine
+    from radixserve.engine.server.http import create_app
+
+    args.model_path = resolve_model_path(args.model_path)
+    if args.tokenizer_path:
+        args.tokenizer_path = resolve_model_path(args.tokenizer_path)
+    if not args.served_model_name:
+        args.served_model_name = os.path.basename(os.path.normpath(args.model_path)).removesuffix(".gguf").lower()
+    log = logging.getLogger("radixserve")
+    log.info("loading %s (served as %s)", args.model_path, args.served_model_name)
+    engine = Engine(args)
+    app = create_app(engine)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5
+    )
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Abort in-flight requests at once (clients get an OpenAI-format 503 or a stream error event) instead
+            # of letting uvicorn wait out its graceful timeout and cancel handlers mid-response.
+            threading.Thread(target=engine.shutdown, name="radixserve-shutdown", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    log.info("serving %s on http://%s:%d", engine.served_model_name, args.host, args.port)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``radixserve`` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _NOT_YET:  # before parsing: their future flags are unknown here
+        print(f"radixserve {argv[0]}: not implemented yet (issue {_NOT_YET[argv[0]]})", file=sys.stderr)
+        return 2
+    ns = build_parser().parse_args(argv)
+    if not isinstance(logging.getLevelName(str(ns.log_level).upper()), int):
+        print(f"radixserve {ns.command}: --log-level must be one of debug, info, warning, error, critical; got "
+              f"{ns.log_level!r}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if ns.command in ("router", "up"):
+        raise_open_files_limit()
+    if ns.command == "operator":
+        from radixserve.operator.main import config_from_namespace, main as run_operator
+
+        try:
+            config = config_from_namespace(ns)
+        except ValueError as e:
+            print(f"radixserve operator: {e}", file=sys.stderr)
+            return 2
+        return run_operator(config)
+    try:
+        if ns.command == "router":
+            from radixserve.router.app import run_router
+            from radixserve.router.config import router_args_from_namespace
+
+            return run_router(router_args_from_namespace(ns))
+        from radixserve.engine.config import engine_args_from_namespace
+
+        args = engine_args_from_namespace(ns)
+        if ns.command == "up":
+            return run_up(args, ns)
+        return run_engine(args)
+    except KeyboardInterrupt:  # Ctrl-C while a model was still loading
+        return 130
+    except ValueError as e:  # bad flag values the parsers could not catch
+        print(f"radixserve {ns.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft open-files limit to the hard one: a router holds two sockets per stream (client + engine), and
+    the usual soft limit of 1024 would refuse connections near 500 concurrent streams."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: keep the limit
+        pass
+
+
+def run_up(engine_args: "EngineArgs", ns: argparse.Namespace) -> int:  # noqa: F821
+    """The local stack: router flags from the public-endpoint flags, engines from the rest."""
+    from radixserve.launch.local_stack import run_local_stack
+    from radixserve.router.config import RouterArgs
+
+    router_args = RouterArgs(
+        host=engine_args.host, port=engine_args.port, policy=ns.policy, api_key=engine_args.api_key,
+        engine_api_key=engine_args.api_key, log_level=engine_args.log_level,
+        max_request_body_bytes=engine_args.max_request_body_bytes,
+    )
+    engine_args.model_path = resolve_model_path(engine_args.model_path)
+    if engine_args.tokenizer_path:
+        engine_args.tokenizer_path = resolve_model_path(engine_args.tokenizer_path)
+    return run_local_stack(engine_args, router_args, ns.engines, ns.engine_base_port)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Router configuration: one dataclass with defaults that run on a laptop; flags are its fields in ``--kebab-case``.
+
+Times are in seconds, sizes in bytes, token counts in tokens. ``RouterArgs.validate()`` raises ``RouterConfigError``
+(a ``ValueError``) naming the flag at fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from radixserve.contracts import constants
+
+
+class RouterConfigError(ValueError):
+    """An invalid router setting; the message names the flag."""
+
+
+@dataclass
+class RouterArgs:
+    """Router server arguments.
+
+    Workers come from ``worker_urls`` (static; each engine's models read from its ``/v1/models``) or, with
+    ``service_discovery``, from the EndpointSlices of ``service_name`` in ``namespace`` (or of every Service labelled
+    ``radixserve.io/inference-service`` with ``all_inference_services``).
+    """
+
+    host: str = constants.PUBLIC_HOST
+    port: int = constants.ROUTER_PORT
+    worker_urls: list[str] = field(default_factory=list)
+    service_discovery: bool = False
+    namespace: str | None = None  # default: the pod's own namespace, else "default"
+    service_name: str | None = None
+    all_inference_services: bool = False
+    policy: str = "prefix_hash"
+    block_tokens: int = 16  # tokens per prefix block (with the model's tokenizer)
+    block_chars: int = 64  # characters per prefix block (without it)
+    prefix_blocks: int = 8  # K: the routing key hashes the first K blocks
+    load_factor: float = 1.25  # bounded-load cap: a worker may take up to load_factor x the mean load
+    upstream_transport: str = "aiohttp"  # aiohttp (faster pool under the httpx API) | httpx
+    balance_abs_tokens: int = 2048  # ...once it carries this many more tokens in flight than the least loaded one
+    virtual_nodes: int = 256  # ring points per worker
+    default_max_tokens: int = 256  # cost estimate of a request that sets no max tokens
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 600.0  # the longest wait for the next byte from an engine
+    max_retries: int = 2  # extra attempts on connect errors / 503 before the first byte
+    health_interval_s: float = 5.0
+    eject_after_failures: int = 3
+    readmit_after_s: float = 10.0
+    api_key: str | None = None  # clients must send "Authorization: Bearer <api_key>"
+    engine_api_key: str | None = None  # sent to the engines (their --api-key)
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_connections: int = 2048  # pooled connections to the engines, all together
+    discovery_relist_s: float = 30.0
+    discovery_stale_s: float = 90.0
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        """Check the settings and normalise worker URLs (no trailing slash). Raises ``RouterConfigError``."""
+        if self.worker_urls and self.service_discovery:
+            raise RouterConfigError("give either --worker-urls or --service-discovery, not both")
+        urls = []
+        for url in self.worker_urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) < 10:
+                raise RouterConfigError(f"--worker-urls: {url!r} is not an http:// or https:// URL")
+            url = url.rstrip("/")
+            if url not in urls:
+                urls.append(url)
+        self.worker_urls = urls
+        if self.service_discovery and not self.all_inference_services and not self.service_name:
+            raise RouterConfigError("--service-discovery needs --service-name or --all-inference-services")
+        if not 0 <= self.port < 65536:
+            raise RouterConfigError(f"--port {self.port} is not a TCP port")
+        for name in ("block_tokens", "block_chars", "prefix_blocks", "virtual_nodes", "default_max_tokens",
+                     "eject_after_failures", "max_request_body_bytes", "max_connections"):
+            if getattr(self, name) < 1:
+                raise RouterConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("connect_timeout_s", "request_timeout_s", "health_interval_s", "discovery_relist_s",
+                     "discovery_stale_s"):
+            if not getattr(self, name) > 0:
+                raise RouterConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.readmit_after_s < 0:
+            raise RouterConfigError(f"--readmit-after-s must be >= 0, got {self.readmit_after_s}")
+        if self.max_retries < 0:
+            raise RouterConfigError(f"--max-retries must be >= 0, got {self.max_retries}")
+        if self.upstream_transport not in ("aiohttp", "httpx"):
+            raise RouterConfigError(f"--upstream-transport must be aiohttp or httpx, got {self.upstream_transport!r}")
+        if self.balance_abs_tokens < 0:
+            raise RouterConfigError(f"--balance-abs-tokens must be >= 0, got {self.balance_abs_tokens}")
+        if not self.load_factor >= 1.0:
+            raise RouterConfigError(f"--load-factor must be at least 1.0, got {self.load_factor}")
+        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise RouterConfigError(f"--log-level {self.log_level!r} is not a log level")
+        try:
+            from radixserve.router.policy import POLICIES
+        except ImportError:  # the policy package is not there: nothing to check against
+            return
+        if self.policy not in POLICIES:
+            raise RouterConfigError(f"--policy {self.policy!r} is not one of {', '.join(sorted(POLICIES))}")
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """Add every ``RouterArgs`` field as a ``--kebab-case`` flag (``--worker-urls`` takes one or more URLs)."""
+    for f in dataclasses.fields(RouterArgs):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        typ = str(f.type)
+        if f.name == "worker_urls":
+            parser.add_argument(flag, nargs="+", default=default, metavar="URL",
+                                help="engine base URLs, e.g. http://127.0.0.1:30000 http://127.0.0.1:30001")
+        elif typ == "bool":
+            parser.add_argument(flag, action="store_true", default=default)
+        elif typ.startswith("float"):
+            parser.add_argument(flag, type=float, default=default)
+        elif typ.startswith("int"):
+            parser.add_argument(flag, type=int, default=default)
+        else:
+            parser.add_argument(flag, type=str, default=default)
+
+
+def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
+    """Build and validate ``RouterArgs`` from parsed flags. Raises ``RouterConfigError``."""
+    args = RouterArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RouterArgs)})
+    if not args.worker_urls and not args.service_discovery:
+        raise RouterConfigError("give the engines: --worker-urls URL [URL ...] or --service-discovery")
+    args.validate()
+    return args
