@@ -31,8 +31,12 @@ def create_app(chunks: int = 16, chunk_interval_s: float = 0.01, tokenizer_dir: 
                 with open(os.path.join(tokenizer_dir, name), encoding="utf-8") as f:
                     files[name] = f.read()
 
-    usage = {"prompt_tokens": 8, "completion_tokens": chunks, "total_tokens": 8 + chunks,
-             "prompt_tokens_details": {"cached_tokens": 0}}
+    usage = {
+        "prompt_tokens": 8,
+        "completion_tokens": chunks,
+        "total_tokens": 8 + chunks,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
     async def health(request: Request) -> Response:
         return Response(status_code=200)
@@ -42,8 +46,10 @@ def create_app(chunks: int = 16, chunk_interval_s: float = 0.01, tokenizer_dir: 
 
     async def tokenizer_files(request: Request) -> Response:
         if not files:
-            return JSONResponse({"object": "error", "message": "no tokenizer", "type": "not_found_error",
-                                 "param": None, "code": 404}, status_code=404)
+            return JSONResponse(
+                {"object": "error", "message": "no tokenizer", "type": "not_found_error", "param": None, "code": 404},
+                status_code=404,
+            )
         return JSONResponse({"model": MODEL, "files": files})
 
     async def completion(request: Request) -> Response:
@@ -52,10 +58,21 @@ def create_app(chunks: int = 16, chunk_interval_s: float = 0.01, tokenizer_dir: 
         rid = request.headers.get("x-request-id", "cmpl-canned")
         headers = {"x-request-id": rid}
         if not body.get("stream"):
-            choice = ({"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
-                      if chat else {"index": 0, "text": "ok", "finish_reason": "stop"})
-            return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                 "model": MODEL, "choices": [choice], "usage": usage}, headers=headers)
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                if chat
+                else {"index": 0, "text": "ok", "finish_reason": "stop"}
+            )
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "model": MODEL,
+                    "choices": [choice],
+                    "usage": usage,
+                },
+                headers=headers,
+            )
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events():
@@ -72,16 +89,30 @@ def create_app(chunks: int = 16, chunk_interval_s: float = 0.01, tokenizer_dir: 
 
     async def generate(request: Request) -> Response:
         await request.json()
-        return JSONResponse({"text": "ok", "output_ids": [1], "meta_info": {
-            "id": "canned", "prompt_tokens": 8, "completion_tokens": 1, "cached_tokens": 0,
-            "finish_reason": {"type": "stop", "matched": None}}})
+        return JSONResponse(
+            {
+                "text": "ok",
+                "output_ids": [1],
+                "meta_info": {
+                    "id": "canned",
+                    "prompt_tokens": 8,
+                    "completion_tokens": 1,
+                    "cached_tokens": 0,
+                    "finish_reason": {"type": "stop", "matched": None},
+                },
+            }
+        )
 
-    return Starlette(routes=[
-        Route("/health", health), Route("/v1/models", models), Route("/get_tokenizer_files", tokenizer_files),
-        Route("/v1/completions", completion, methods=["POST"]),
-        Route("/v1/chat/completions", completion, methods=["POST"]),
-        Route("/generate", generate, methods=["POST"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/get_tokenizer_files", tokenizer_files),
+            Route("/v1/completions", completion, methods=["POST"]),
+            Route("/v1/chat/completions", completion, methods=["POST"]),
+            Route("/generate", generate, methods=["POST"]),
+        ]
+    )
 
 
 def main() -> None:

@@ -74,10 +74,15 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     r = ModelRunner(a.model, dtype=a.dtype, max_total_tokens=a.batch * a.ctx + 16, num_threads=a.threads)
     cfg = (r.attn_backend.num_heads, r.attn_backend.num_kv_heads, r.attn_backend.head_dim, r.attn_backend.scale)
-    variants = {"legacy": LegacyBackend(*cfg), "plain": TorchBackend(*cfg, cascade_min_seqs=1 << 30),
-                "cascade": TorchBackend(*cfg)}
-    layouts = {"no shared prefix": decode_batch(a.batch, a.ctx, 0),
-               f"shared prefix {a.shared}": decode_batch(a.batch, a.ctx, a.shared)}
+    variants = {
+        "legacy": LegacyBackend(*cfg),
+        "plain": TorchBackend(*cfg, cascade_min_seqs=1 << 30),
+        "cascade": TorchBackend(*cfg),
+    }
+    layouts = {
+        "no shared prefix": decode_batch(a.batch, a.ctx, 0),
+        f"shared prefix {a.shared}": decode_batch(a.batch, a.ctx, a.shared),
+    }
     times: dict[tuple[str, str], list[float]] = {(lay, v): [] for lay in layouts for v in variants}
     with torch.inference_mode():
         for rep in range(a.reps + 1):
@@ -90,8 +95,9 @@ def main() -> None:
                         times[(lay, name)].append((time.perf_counter() - t) * 1000)
         print(f"decode step, batch {a.batch}, context {a.ctx}, {a.dtype}, {a.threads} threads; ms (min / median)")
         for lay in layouts:
-            row = "  ".join(f"{v}: {min(times[(lay, v)]):7.1f} / {statistics.median(times[(lay, v)]):7.1f}"
-                            for v in variants)
+            row = "  ".join(
+                f"{v}: {min(times[(lay, v)]):7.1f} / {statistics.median(times[(lay, v)]):7.1f}" for v in variants
+            )
             print(f"  {lay:22s} {row}")
         if a.profile:
             r.attn_backend = variants["cascade"]

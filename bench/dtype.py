@@ -30,8 +30,10 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     need = a.prefill + a.batch * (a.context + 1) + 1
-    runners = {name: ModelRunner(a.model, dtype=name, device="cpu", attention_backend="torch", max_total_tokens=need)
-               for name in ("float32", "bfloat16")}
+    runners = {
+        name: ModelRunner(a.model, dtype=name, device="cpu", attention_backend="torch", max_total_tokens=need)
+        for name in ("float32", "bfloat16")
+    }
     g = torch.Generator().manual_seed(0)
     vocab = next(iter(runners.values())).model_config.vocab_size
     prompt = torch.randint(100, vocab, (a.prefill,), generator=g).tolist()
@@ -51,15 +53,24 @@ def main() -> None:
                 t = time.perf_counter()
                 r.forward(batch)
                 res[name][key].append(time.perf_counter() - t)
-    out = {"threads": a.threads, "avx512_bf16": cpu_has_avx512_bf16(), "prefill_tokens": a.prefill,
-           "context": a.context, "batch": a.batch}
+    out = {
+        "threads": a.threads,
+        "avx512_bf16": cpu_has_avx512_bf16(),
+        "prefill_tokens": a.prefill,
+        "context": a.context,
+        "batch": a.batch,
+    }
     for name, m in res.items():
         pre, dec, dec1 = (statistics.median(m[k]) for k in ("prefill_s", "decode_s", "decode1_s"))
-        out[name] = {"prefill_tok_s": round(a.prefill / pre, 1), f"decode_step_ms_batch{a.batch}": round(dec * 1e3, 1),
-                     "decode_step_ms_batch1": round(dec1 * 1e3, 1)}
+        out[name] = {
+            "prefill_tok_s": round(a.prefill / pre, 1),
+            f"decode_step_ms_batch{a.batch}": round(dec * 1e3, 1),
+            "decode_step_ms_batch1": round(dec1 * 1e3, 1),
+        }
     out["bf16_speedup_prefill"] = round(out["bfloat16"]["prefill_tok_s"] / out["float32"]["prefill_tok_s"], 2)
-    out["bf16_speedup_decode"] = round(statistics.median(res["float32"]["decode_s"])
-                                       / statistics.median(res["bfloat16"]["decode_s"]), 2)
+    out["bf16_speedup_decode"] = round(
+        statistics.median(res["float32"]["decode_s"]) / statistics.median(res["bfloat16"]["decode_s"]), 2
+    )
     print(json.dumps(out))
 
 

@@ -39,12 +39,29 @@ import httpx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m-instruct")
 MODEL = "smollm2-135m-instruct"
-TOPICS = ["orbital mechanics", "sourdough baking", "medieval trade routes", "graph theory", "tide pools",
-          "jazz harmony", "glacier formation", "compiler design", "beekeeping", "volcanic soils", "origami",
-          "wind turbines", "coral reefs", "chess openings", "typography", "cloud physics"]
-VOCAB = ("policy customer account refund shipping order product warranty support escalate verify identity respond "
-         "politely concise accurate never promise always confirm details summary steps troubleshoot device network "
-         "reset password billing invoice schedule appointment language tone empathy").split()
+TOPICS = [
+    "orbital mechanics",
+    "sourdough baking",
+    "medieval trade routes",
+    "graph theory",
+    "tide pools",
+    "jazz harmony",
+    "glacier formation",
+    "compiler design",
+    "beekeeping",
+    "volcanic soils",
+    "origami",
+    "wind turbines",
+    "coral reefs",
+    "chess openings",
+    "typography",
+    "cloud physics",
+]
+VOCAB = (
+    "policy customer account refund shipping order product warranty support escalate verify identity respond "
+    "politely concise accurate never promise always confirm details summary steps troubleshoot device network "
+    "reset password billing invoice schedule appointment language tone empathy"
+).split()
 
 
 def log(msg: str) -> None:
@@ -79,8 +96,9 @@ def wait_ready(url: str, path: str, proc: subprocess.Popen, timeout_s: float = 3
 @contextmanager
 def process(argv: list[str], url: str, ready_path: str, logfile: str) -> Iterator[subprocess.Popen]:
     with open(logfile, "w") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
     try:
         wait_ready(url, ready_path, proc)
         yield proc
@@ -94,8 +112,20 @@ def process(argv: list[str], url: str, ready_path: str, logfile: str) -> Iterato
 
 
 def router_argv(port: int, workers: list[str], policy: str) -> list[str]:
-    return [sys.executable, "-m", "radixserve", "router", "--port", str(port), "--policy", policy,
-            "--log-level", "warning", "--worker-urls", *workers]
+    return [
+        sys.executable,
+        "-m",
+        "radixserve",
+        "router",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--log-level",
+        "warning",
+        "--worker-urls",
+        *workers,
+    ]
 
 
 # ---------------------------------------------------------------- (1) the multi-conversation workload
@@ -106,15 +136,24 @@ def make_conversations(n: int, system_tokens: int, turns: int, seed: int = 0) ->
     for i in range(n):
         words = " ".join(rng.choice(VOCAB) for _ in range(int(system_tokens / 1.3)))
         system = f"You are assistant #{i} of ACME Corp, expert in {TOPICS[i % len(TOPICS)]}. Rules: {words}"
-        questions = [f"Question {t + 1} about {TOPICS[(i + t) % len(TOPICS)]}: what should I know? "
-                     + " ".join(rng.choice(VOCAB) for _ in range(12)) for t in range(turns)]
+        questions = [
+            f"Question {t + 1} about {TOPICS[(i + t) % len(TOPICS)]}: what should I know? "
+            + " ".join(rng.choice(VOCAB) for _ in range(12))
+            for t in range(turns)
+        ]
         convs.append({"messages": [{"role": "system", "content": system}], "questions": questions})
     return convs
 
 
 async def one_turn(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft = None
     text = []
@@ -136,8 +175,13 @@ async def one_turn(client: httpx.AsyncClient, url: str, messages: list[dict], ma
                     if ttft is None:
                         ttft = time.perf_counter() - t0
                     text.append(piece)
-    return {"text": "".join(text), "usage": usage, "ttft": ttft if ttft is not None else time.perf_counter() - t0,
-            "worker": headers.get("x-radixserve-worker"), "reason": headers.get("x-radixserve-route-reason")}
+    return {
+        "text": "".join(text),
+        "usage": usage,
+        "ttft": ttft if ttft is not None else time.perf_counter() - t0,
+        "worker": headers.get("x-radixserve-worker"),
+        "reason": headers.get("x-radixserve-route-reason"),
+    }
 
 
 async def run_workload(url: str, convs: list[dict], turns: int, max_tokens: int, concurrency: int) -> dict:
@@ -168,9 +212,15 @@ async def run_workload(url: str, convs: list[dict], turns: int, max_tokens: int,
     reasons: dict[str, int] = {}
     for r in results:
         reasons[str(r["reason"])] = reasons.get(str(r["reason"]), 0) + 1
-    return {"hit_rate": round(cached / prompt, 4), "output_tok_s": round(output / wall, 2),
-            "mean_ttft_s": round(statistics.mean(r["ttft"] for r in results), 3), "wall_s": round(wall, 1),
-            "prompt_tokens": prompt, "cached_tokens": cached, "reasons": reasons}
+    return {
+        "hit_rate": round(cached / prompt, 4),
+        "output_tok_s": round(output / wall, 2),
+        "mean_ttft_s": round(statistics.mean(r["ttft"] for r in results), 3),
+        "wall_s": round(wall, 1),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "reasons": reasons,
+    }
 
 
 def flush(urls: list[str]) -> None:
@@ -188,9 +238,22 @@ def workload_bench(args: argparse.Namespace, tmp: str) -> dict:
     out: dict = {"policies": {}}
     try:
         for i, port in enumerate(ports):
-            argv = [sys.executable, "-m", "radixserve", "engine", "--model-path", MODEL_DIR, "--port", str(port),
-                    "--num-threads", str(args.threads_per_engine), "--context-length", "4096",
-                    "--log-level", "warning"]
+            argv = [
+                sys.executable,
+                "-m",
+                "radixserve",
+                "engine",
+                "--model-path",
+                MODEL_DIR,
+                "--port",
+                str(port),
+                "--num-threads",
+                str(args.threads_per_engine),
+                "--context-length",
+                "4096",
+                "--log-level",
+                "warning",
+            ]
             f = open(os.path.join(tmp, f"engine{i}.log"), "w")
             procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT))
         for url, proc in zip(urls, procs):
@@ -226,12 +289,23 @@ def overhead_bench(args: argparse.Namespace, tmp: str) -> dict:
     up_port, r_port = free_port(), free_port()
     up_url, r_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{r_port}"
     tok_args = ["--tokenizer-dir", MODEL_DIR] if os.path.isdir(MODEL_DIR) else []
-    up_argv = [sys.executable, os.path.join(ROOT, "bench", "canned_upstream.py"), "--port", str(up_port),
-               "--chunks", "16", "--chunk-interval-ms", str(args.stream_chunk_ms), *tok_args]
+    up_argv = [
+        sys.executable,
+        os.path.join(ROOT, "bench", "canned_upstream.py"),
+        "--port",
+        str(up_port),
+        "--chunks",
+        "16",
+        "--chunk-interval-ms",
+        str(args.stream_chunk_ms),
+        *tok_args,
+    ]
     body = {"model": "canned", "messages": [{"role": "user", "content": "Hi, how are you?"}], "max_tokens": 8}
     out: dict = {}
-    with process(up_argv, up_url, "/health", os.path.join(tmp, "canned.log")), \
-            process(router_argv(r_port, [up_url], "prefix_hash"), r_url, "/ready", os.path.join(tmp, "router.log")):
+    with (
+        process(up_argv, up_url, "/health", os.path.join(tmp, "canned.log")),
+        process(router_argv(r_port, [up_url], "prefix_hash"), r_url, "/ready", os.path.join(tmp, "router.log")),
+    ):
         lat: dict[str, list[float]] = {"direct": [], "router": []}
         with httpx.Client(timeout=30) as client:
             for base in (up_url, r_url):  # warm-up: connections, tokenizer, code paths
@@ -245,8 +319,12 @@ def overhead_bench(args: argparse.Namespace, tmp: str) -> dict:
                         lat[name].append(time.perf_counter() - t0)
                         r.raise_for_status()
         direct, routed = statistics.median(lat["direct"]), statistics.median(lat["router"])
-        out.update(direct_p50_ms=round(direct * 1e3, 3), router_p50_ms=round(routed * 1e3, 3),
-                   router_overhead_p50_ms=round((routed - direct) * 1e3, 3), overhead_samples=len(lat["router"]))
+        out.update(
+            direct_p50_ms=round(direct * 1e3, 3),
+            router_p50_ms=round(routed * 1e3, 3),
+            router_overhead_p50_ms=round((routed - direct) * 1e3, 3),
+            overhead_samples=len(lat["router"]),
+        )
         log(f"overhead: {out}")
         out["streams"] = asyncio.run(many_streams(r_url, args.streams))
         log(f"streams: {out['streams']}")
@@ -254,12 +332,17 @@ def overhead_bench(args: argparse.Namespace, tmp: str) -> dict:
 
 
 async def many_streams(url: str, n: int) -> dict:
-    body = {"model": "canned", "messages": [{"role": "user", "content": "stream please"}], "max_tokens": 16,
-            "stream": True}
+    body = {
+        "model": "canned",
+        "messages": [{"role": "user", "content": "stream please"}],
+        "max_tokens": 16,
+        "stream": True,
+    }
     errors: list[str] = []
     chunks_seen: list[int] = []
     limits = httpx.Limits(max_connections=n + 16, max_keepalive_connections=n + 16)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=60, pool=120), limits=limits) as client:
+
         async def one() -> None:
             try:
                 count = 0

@@ -31,15 +31,32 @@ from radixserve.engine.config import EngineArgs  # noqa: E402
 from radixserve.engine.engine import Engine  # noqa: E402
 from radixserve.engine.io_struct import GenerateRequest, SamplingParams  # noqa: E402
 
-TOPICS = ["orbital mechanics", "sourdough baking", "medieval trade routes", "graph theory", "tide pools",
-          "jazz harmony", "glacier formation", "compiler design", "beekeeping", "volcanic soils", "origami",
-          "wind turbines", "coral reefs", "chess openings", "typography", "cloud physics"]
+TOPICS = [
+    "orbital mechanics",
+    "sourdough baking",
+    "medieval trade routes",
+    "graph theory",
+    "tide pools",
+    "jazz harmony",
+    "glacier formation",
+    "compiler design",
+    "beekeeping",
+    "volcanic soils",
+    "origami",
+    "wind turbines",
+    "coral reefs",
+    "chess openings",
+    "typography",
+    "cloud physics",
+]
 
 
 def _words(rng: random.Random, n: int) -> str:
-    vocab = ("policy customer account refund shipping order product warranty support escalate verify identity "
-             "respond politely concise accurate never promise always confirm details summary steps troubleshoot "
-             "device network reset password billing invoice schedule appointment language tone empathy").split()
+    vocab = (
+        "policy customer account refund shipping order product warranty support escalate verify identity "
+        "respond politely concise accurate never promise always confirm details summary steps troubleshoot "
+        "device network reset password billing invoice schedule appointment language tone empathy"
+    ).split()
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
@@ -62,8 +79,9 @@ def chat_workload(tok, rng: random.Random) -> tuple[list[list[int]], int, int]:
 def fewshot_workload(tok, rng: random.Random) -> tuple[list[list[int]], int, int]:
     shots = []
     for i in range(60):
-        shots.append(f"Q: What is {rng.randint(10, 99)} plus {rng.randint(10, 99)} in {TOPICS[i % 16]}?\n"
-                     f"A: {_words(rng, 8)}\n")
+        shots.append(
+            f"Q: What is {rng.randint(10, 99)} plus {rng.randint(10, 99)} in {TOPICS[i % 16]}?\nA: {_words(rng, 8)}\n"
+        )
     prefix = _trim_to_tokens(tok, "Answer like the examples.\n" + "".join(shots), 1500)
     prompts = []
     for i in range(64):
@@ -81,8 +99,12 @@ async def run_workload(engine: Engine, prompts: list[list[int]], max_new: int, c
         async with sem:
             t0 = time.monotonic()
             first = None
-            req = GenerateRequest(uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=max_new, temperature=0.0,
-                                                                      ignore_eos=True), arrival_time=t0)
+            req = GenerateRequest(
+                uuid.uuid4().hex,
+                ids,
+                SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True),
+                arrival_time=t0,
+            )
             async for out in engine.generate(req):
                 if first is None and out.token_ids:
                     first = time.monotonic() - t0
@@ -95,14 +117,27 @@ async def run_workload(engine: Engine, prompts: list[list[int]], max_new: int, c
     t0 = time.monotonic()
     await asyncio.gather(*[one(p) for p in prompts])
     wall = time.monotonic() - t0
-    return {"wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
-            "mean_ttft_s": round(statistics.mean(ttfts), 3), "cached_frac": round(cached / max(prompt_tokens, 1), 3)}
+    return {
+        "wall_s": round(wall, 2),
+        "output_tok_s": round(out_tokens / wall, 1),
+        "mean_ttft_s": round(statistics.mean(ttfts), 3),
+        "cached_frac": round(cached / max(prompt_tokens, 1), 3),
+    }
 
 
 def measure(args: argparse.Namespace, disable: bool, prompts, max_new: int, conc: int) -> dict:
-    engine = Engine(EngineArgs(model_path=args.model_path, dtype=args.dtype, num_threads=args.threads,
-                               disable_radix_cache=disable, max_total_tokens=args.max_total_tokens,
-                               context_length=4096, max_running_requests=64, schedule_policy=args.policy))
+    engine = Engine(
+        EngineArgs(
+            model_path=args.model_path,
+            dtype=args.dtype,
+            num_threads=args.threads,
+            disable_radix_cache=disable,
+            max_total_tokens=args.max_total_tokens,
+            context_length=4096,
+            max_running_requests=64,
+            schedule_policy=args.policy,
+        )
+    )
     engine.start()
     try:
         return asyncio.run(run_workload(engine, prompts, max_new, conc))
@@ -131,9 +166,21 @@ def main() -> None:
         on = measure(args, False, prompts, max_new, conc)
         off = measure(args, True, prompts, max_new, conc)
         mean_prompt = round(statistics.mean(len(x) for x in prompts))
-        print(json.dumps({"workload": name, "requests": len(prompts), "mean_prompt_tokens": mean_prompt,
-                          "output_tokens": max_new, "concurrency": conc, "on": on, "off": off,
-                          "speedup": round(off["wall_s"] / on["wall_s"], 2)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "workload": name,
+                    "requests": len(prompts),
+                    "mean_prompt_tokens": mean_prompt,
+                    "output_tokens": max_new,
+                    "concurrency": conc,
+                    "on": on,
+                    "off": off,
+                    "speedup": round(off["wall_s"] / on["wall_s"], 2),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
 # CI runs with CI=true: derandomized hypothesis, so a landing never hinges on a lucky draw; local runs explore anew.
 from hypothesis import settings as _hypothesis_settings  # noqa: E402
 

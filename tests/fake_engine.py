@@ -126,12 +126,17 @@ class FakeEngine:
                     full = self.tokenizer.decode(produced)
                     if finish is None and full.endswith("\ufffd"):
                         full = sent_text[i]  # hold back half a character
-                    delta, sent_text[i] = full[len(sent_text[i]):], full
+                    delta, sent_text[i] = full[len(sent_text[i]) :], full
                     tok = produced[-1]
                     yield ReqOutput(
-                        rid=req.rid, index=i, text=delta, token_ids=[tok],
+                        rid=req.rid,
+                        index=i,
+                        text=delta,
+                        token_ids=[tok],
                         logprobs=[self.logprob_of(step, tok, req.top_logprobs_num)] if req.return_logprob else None,
-                        finish_reason=finish, prompt_tokens=len(req.input_ids), completion_tokens=step + 1,
+                        finish_reason=finish,
+                        prompt_tokens=len(req.input_ids),
+                        completion_tokens=step + 1,
                         cached_tokens=min(self.cached_tokens, len(req.input_ids)),
                     )
                     if finish is not None:
@@ -156,7 +161,7 @@ def sse_payloads(body: str) -> list[Any]:
     payloads = []
     for ev in events[:-2]:
         assert ev.startswith("data: "), ev
-        payloads.append(json.loads(ev[len("data: "):]))
+        payloads.append(json.loads(ev[len("data: ") :]))
     assert events[-2] == "data: [DONE]"
     return payloads
 

@@ -88,8 +88,9 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 # Fields whose value is a map[string]string (or similar): their entries keep "" values when serialised.
-_MAP_FIELDS = frozenset({"labels", "annotations", "data", "binaryData", "stringData", "nodeSelector", "matchLabels",
-                         "selector"})
+_MAP_FIELDS = frozenset(
+    {"labels", "annotations", "data", "binaryData", "stringData", "nodeSelector", "matchLabels", "selector"}
+)
 
 
 def strip_empty(value: Any, in_map: bool = False) -> Any:
@@ -134,9 +135,19 @@ class K8sEmulator(kmock.KubernetesEmulator):
     # Injected failures: each returns an error for a write request it matches, else None (see fail()).
     _faults: list[Callable[[kmock.Request], Any]] = attrs.field(factory=list, init=False)
 
-    def fail(self, status: int, reason: str, message: str, *, method: str | None = None,
-             plural: str | None = None, name: str | None = None, dry_run: bool | None = None,
-             times: int | None = None, subresource: str | None = None) -> None:
+    def fail(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        *,
+        method: str | None = None,
+        plural: str | None = None,
+        name: str | None = None,
+        dry_run: bool | None = None,
+        times: int | None = None,
+        subresource: str | None = None,
+    ) -> None:
         """Answer ``status``/``reason``/``message`` (a Kubernetes Status) to writes (POST, PATCH, DELETE) matching
         ``method``, resource ``plural``, object ``name`` (for POST: the body's metadata.name), ``subresource`` (None:
         any; "": the main resource only) and ``dry_run`` (None: both), at most ``times`` times (None: always), before
@@ -150,11 +161,13 @@ class K8sEmulator(kmock.KubernetesEmulator):
             target = request.name
             if target is None and isinstance(request.data, dict):
                 target = (request.data.get("metadata") or {}).get("name")
-            if ((method is not None and verb != method.upper())
-                    or (plural is not None and request.resource.plural != plural)
-                    or (name is not None and target != name)
-                    or (subresource is not None and (request.subresource or "") != subresource)
-                    or (dry_run is not None and _dry_run(request) != dry_run)):
+            if (
+                (method is not None and verb != method.upper())
+                or (plural is not None and request.resource.plural != plural)
+                or (name is not None and target != name)
+                or (subresource is not None and (request.subresource or "") != subresource)
+                or (dry_run is not None and _dry_run(request) != dry_run)
+            ):
                 return None
             if remaining[0] is not None:
                 if remaining[0] <= 0:
@@ -169,6 +182,7 @@ class K8sEmulator(kmock.KubernetesEmulator):
         kube-apiserver's RoleBinding storage does for a caller without the ``bind`` verb (it resolves the Role's rules
         to prevent escalation). A dry-run create of the Role stores nothing, so a RoleBinding dry run after it still
         gets the 404. Installed as a fault (``clear_faults`` removes it)."""
+
         def fault(request: kmock.Request) -> Any:
             verb = getattr(request.method, "value", str(request.method)).upper()
             if verb != "POST" or request.resource is None or request.resource.plural != "rolebindings":
@@ -177,11 +191,19 @@ class K8sEmulator(kmock.KubernetesEmulator):
             if ref.get("kind") != "Role":
                 return None
             namespace = request.namespace or ((request.data.get("metadata") or {}).get("namespace"))
-            if any(res.plural == "roles" and ns == namespace and name == ref.get("name") and not obj.deleted
-                   for (res, ns, name), obj in self.objects.items()):
+            if any(
+                res.plural == "roles" and ns == namespace and name == ref.get("name") and not obj.deleted
+                for (res, ns, name), obj in self.objects.items()
+            ):
                 return None
-            return _error(404, "NotFound", f'roles.rbac.authorization.k8s.io "{ref.get("name")}" not found',
-                          name=ref.get("name") or "", group="rbac.authorization.k8s.io", kind="roles")
+            return _error(
+                404,
+                "NotFound",
+                f'roles.rbac.authorization.k8s.io "{ref.get("name")}" not found',
+                name=ref.get("name") or "",
+                group="rbac.authorization.k8s.io",
+                kind="roles",
+            )
 
         self._faults.append(fault)
 
@@ -265,8 +287,13 @@ class K8sEmulator(kmock.KubernetesEmulator):
             raise _error(422, "Invalid", "metadata.name: Required value: name or generateName is required")
         key = (request.resource, meta.get("namespace"), name)
         if key in self.objects and not self.objects[key].deleted:
-            raise _error(409, "AlreadyExists", f'{request.resource.plural} "{name}" already exists',
-                         name=name, kind=request.resource.plural)
+            raise _error(
+                409,
+                "AlreadyExists",
+                f'{request.resource.plural} "{name}" already exists',
+                name=name,
+                kind=request.resource.plural,
+            )
         meta.update(
             uid=str(uuid.uuid4()),
             creationTimestamp=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -286,8 +313,13 @@ class K8sEmulator(kmock.KubernetesEmulator):
     def _existing(self, request: kmock.Request) -> tuple[Any, Any]:
         key = (request.resource, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
-            raise _error(404, "NotFound", f'{request.resource.plural} "{request.name}" not found',
-                         name=request.name, kind=request.resource.plural)
+            raise _error(
+                404,
+                "NotFound",
+                f'{request.resource.plural} "{request.name}" not found',
+                name=request.name,
+                kind=request.resource.plural,
+            )
         return key, self.objects[key]
 
     async def _patch(self, request: kmock.Request, dry: bool = False) -> tuple[dict[str, Any], Any]:
@@ -300,17 +332,27 @@ class K8sEmulator(kmock.KubernetesEmulator):
             elif isinstance(patch, dict):  # merge or strategic-merge (applied as merge, as kmock does)
                 wanted_rv = (patch.get("metadata") or {}).get("resourceVersion")
                 if wanted_rv is not None and str(wanted_rv) != old["metadata"].get("resourceVersion"):
-                    raise _error(409, "Conflict", f'Operation cannot be fulfilled on {request.resource.plural} '
-                                 f'"{request.name}": the object has been modified; please apply your changes to '
-                                 f'the latest version and try again', name=request.name,
-                                 kind=request.resource.plural)
+                    raise _error(
+                        409,
+                        "Conflict",
+                        f"Operation cannot be fulfilled on {request.resource.plural} "
+                        f'"{request.name}": the object has been modified; please apply your changes to '
+                        f"the latest version and try again",
+                        name=request.name,
+                        kind=request.resource.plural,
+                    )
                 new = merge_patch(old, patch)
             else:
                 raise _error(400, "BadRequest", "the patch body is neither a JSON object nor a JSON-patch list")
         except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
             # The real server rejects a failed `test` op (kopf's optimistic finalizer removal) with 422, not 500.
-            raise _error(422, "Invalid", f"the server rejected our request due to an error in our request: {exc}",
-                         name=request.name, kind=request.resource.plural) from None
+            raise _error(
+                422,
+                "Invalid",
+                f"the server rejected our request due to an error in our request: {exc}",
+                name=request.name,
+                kind=request.resource.plural,
+            ) from None
         if not isinstance(new, dict):
             raise _error(422, "Invalid", "the patched object is not a JSON object")
         new = self._out(request.resource, new)
@@ -318,8 +360,11 @@ class K8sEmulator(kmock.KubernetesEmulator):
         info = self._info(request.resource)
         has_status = info is not None and "status" in (info.subresources or ())
         if request.subresource == "status":  # the /status subresource changes only .status
-            new = {**old, "status": new.get("status")} if "status" in new else {k: v for k, v in old.items()
-                                                                                  if k != "status"}
+            new = (
+                {**old, "status": new.get("status")}
+                if "status" in new
+                else {k: v for k, v in old.items() if k != "status"}
+            )
         elif has_status:  # and the main resource ignores .status when /status exists
             new = {k: v for k, v in new.items() if k != "status"}
             if "status" in old:
@@ -375,13 +420,18 @@ class K8sEmulator(kmock.KubernetesEmulator):
     # --- reads ----------------------------------------------------------------------------------------------------
 
     def _matches(self, request: kmock.Request, resource: Any, namespace: str | None, name: str | None) -> bool:
-        return (resource == request.resource
-                and (request.namespace is None or namespace == request.namespace)
-                and (request.name is None or name == request.name))
+        return (
+            resource == request.resource
+            and (request.namespace is None or namespace == request.namespace)
+            and (request.name is None or name == request.name)
+        )
 
     def _live(self, request: kmock.Request) -> list[dict[str, Any]]:
-        return [copy.deepcopy(obj.raw) for (resource, namespace, name), obj in self.objects.items()
-                if not obj.deleted and self._matches(request, resource, namespace, name)]
+        return [
+            copy.deepcopy(obj.raw)
+            for (resource, namespace, name), obj in self.objects.items()
+            if not obj.deleted and self._matches(request, resource, namespace, name)
+        ]
 
     async def _serve_list(self, request: kmock.Request) -> Any:
         if request.resource not in self._get_resources():
@@ -411,15 +461,33 @@ class K8sEmulator(kmock.KubernetesEmulator):
             if since_param == "0":  # "any": the current state as synthetic ADDED events, then changes
                 initial = [{"type": "ADDED", "object": raw} for raw in self._live(request)]
             elif int(since_param) < self._compacted_rv:
-                initial = [{"type": "ERROR", "object": {
-                    "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure", "code": 410,
-                    "reason": "Expired",
-                    "message": f"too old resource version: {since_param} ({self._rv})"}}]
+                initial = [
+                    {
+                        "type": "ERROR",
+                        "object": {
+                            "apiVersion": "v1",
+                            "kind": "Status",
+                            "metadata": {},
+                            "status": "Failure",
+                            "code": 410,
+                            "reason": "Expired",
+                            "message": f"too old resource version: {since_param} ({self._rv})",
+                        },
+                    }
+                ]
             else:
                 since = int(since_param)
-                initial = [copy.deepcopy(event) for rv, event in self._events.get(resource, []) if rv > since
-                           and self._matches(request, resource, event["object"]["metadata"].get("namespace"),
-                                             event["object"]["metadata"].get("name"))]
+                initial = [
+                    copy.deepcopy(event)
+                    for rv, event in self._events.get(resource, [])
+                    if rv > since
+                    and self._matches(
+                        request,
+                        resource,
+                        event["object"]["metadata"].get("namespace"),
+                        event["object"]["metadata"].get("name"),
+                    )
+                ]
         try:
             for event in initial:
                 yield event
@@ -450,11 +518,14 @@ def write_kubeconfig(path: Any, server_url: str) -> str:
     import yaml
 
     config = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "emulator",
         "clusters": [{"name": "emulator", "cluster": {"server": server_url}}],
         "users": [{"name": "tester", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester",
-                                                      "namespace": "default"}}],
+        "contexts": [
+            {"name": "emulator", "context": {"cluster": "emulator", "user": "tester", "namespace": "default"}}
+        ],
     }
     path = str(path)
     with open(path, "w") as f:

@@ -31,16 +31,19 @@ SAMPLE_SPEC: dict[str, Any] = {"model": {"storageUri": f"demo://{constants.DEMO_
 # Sent by the test's own requests (creating InferenceServices, writing Deployment status, ...) so api_calls() can
 # tell them from the operator's.
 TEST_CLIENT_HEADERS = {"x-radixserve-test-client": "1"}
-VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch",
-         "DELETE": "delete"}
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
 
 
 def declare_crd(emulator: Any) -> None:
     """Discovery for the InferenceService CRD (the emulator stores custom objects but does not read CRDs)."""
     emulator.resources[f"{constants.API_GROUP}/{constants.API_VERSION}/{constants.CRD_PLURAL}"] = kmock.ResourceInfo(
-        kind=constants.CRD_KIND, namespaced=True, singular=constants.CRD_KIND.lower(),
-        shortnames={constants.CRD_SHORT_NAME}, subresources={"status", "scale"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete", "deletecollection"})
+        kind=constants.CRD_KIND,
+        namespaced=True,
+        singular=constants.CRD_KIND.lower(),
+        shortnames={constants.CRD_SHORT_NAME},
+        subresources={"status", "scale"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete", "deletecollection"},
+    )
 
 
 def isvc_path(name: str | None = None, namespace: str = NS, subresource: str | None = None) -> str:
@@ -54,8 +57,12 @@ def child_path(api_version: str, plural: str, name: str | None = None, namespace
 
 
 def isvc_body(name: str, spec: dict[str, Any] | None = None, namespace: str = NS) -> dict[str, Any]:
-    return {"apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}", "kind": constants.CRD_KIND,
-            "metadata": {"name": name, "namespace": namespace}, "spec": copy.deepcopy(spec or SAMPLE_SPEC)}
+    return {
+        "apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}",
+        "kind": constants.CRD_KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": copy.deepcopy(spec or SAMPLE_SPEC),
+    }
 
 
 async def until(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
@@ -95,13 +102,21 @@ class OperatorHarness:
         metrics_port = None
         if metrics:
             metrics_port = self.metrics_port = free_port()
-        config = OperatorConfig(image="radixserve:test", all_namespaces=True, resync_seconds=resync_seconds,
-                                metrics_host="127.0.0.1", metrics_port=metrics_port)
+        config = OperatorConfig(
+            image="radixserve:test",
+            all_namespaces=True,
+            resync_seconds=resync_seconds,
+            metrics_host="127.0.0.1",
+            metrics_port=metrics_port,
+        )
 
         def run() -> None:
             try:
-                asyncio.run(run_operator(config, api_client=self.api, stop_flag=self._stop, ready_flag=ready,
-                                         metrics=self.metrics))
+                asyncio.run(
+                    run_operator(
+                        config, api_client=self.api, stop_flag=self._stop, ready_flag=ready, metrics=self.metrics
+                    )
+                )
             except BaseException as exc:  # noqa: BLE001 - reported by start()/stop()
                 self._error = exc
 
@@ -163,18 +178,33 @@ def is_dry_run(request: Any) -> bool:
     return (request.params or {}).get("dryRun") == "All"
 
 
-def writes(requests: list[Any], method: str, plural: str | None = None, name: str | None = None,
-           subresource: str | None = "", dry_run: bool | None = False) -> list[Any]:
+def writes(
+    requests: list[Any],
+    method: str,
+    plural: str | None = None,
+    name: str | None = None,
+    subresource: str | None = "",
+    dry_run: bool | None = False,
+) -> list[Any]:
     """Requests of ``method`` (PATCH, POST, DELETE) to ``plural``/``name`` (for POST: the body's name);
     ``subresource=""``: the main resource; ``dry_run``: False (default) the real writes only, True the dry runs
     only, None both."""
+
     def target(r: Any) -> Any:
-        return r.name if r.name is not None or not isinstance(r.data, dict) else (r.data.get("metadata") or {}).get(
-            "name")
-    return [r for r in requests if r.method == method and r.resource is not None
-            and (plural is None or r.resource.plural == plural) and (name is None or target(r) == name)
-            and (subresource is None or (r.subresource or "") == subresource)
-            and (dry_run is None or is_dry_run(r) == dry_run)]
+        return (
+            r.name if r.name is not None or not isinstance(r.data, dict) else (r.data.get("metadata") or {}).get("name")
+        )
+
+    return [
+        r
+        for r in requests
+        if r.method == method
+        and r.resource is not None
+        and (plural is None or r.resource.plural == plural)
+        and (name is None or target(r) == name)
+        and (subresource is None or (r.subresource or "") == subresource)
+        and (dry_run is None or is_dry_run(r) == dry_run)
+    ]
 
 
 def api_calls(emulator: Any) -> set[tuple[str, str, str]]:
@@ -203,10 +233,14 @@ async def representative_api_calls(emulator: Any, api: Any) -> set[tuple[str, st
         engine = child_path("apps/v1", "deployments", constants.engine_deployment_name("demo"))
         await until(lambda: h.get(engine), what="engine Deployment")
         await h.delete(child_path("v1", "services", constants.router_service_name("demo")))
-        await until(lambda: h.get(child_path("v1", "services", constants.router_service_name("demo"))),
-                    what="router Service recreated")
-        await h.patch(isvc_path("demo"), {"spec": {"autoscaling": {"maxReplicas": 3, "targetPerPod": 4},
-                                                   "disruptionBudget": {"enabled": False}}})
+        await until(
+            lambda: h.get(child_path("v1", "services", constants.router_service_name("demo"))),
+            what="router Service recreated",
+        )
+        await h.patch(
+            isvc_path("demo"),
+            {"spec": {"autoscaling": {"maxReplicas": 3, "targetPerPod": 4}, "disruptionBudget": {"enabled": False}}},
+        )
         hpa = child_path("autoscaling/v2", "horizontalpodautoscalers", "demo")
         await until(lambda: h.get(hpa), what="HPA")
         await h.patch(isvc_path("demo"), {"spec": {"autoscaling": None}})

@@ -41,8 +41,9 @@ def _fill_pool(pool: KVPool, used: list[list[int]], dtype) -> None:
     for layer in range(pool.num_layers):
         for slots in used:
             idx = torch.tensor(slots, dtype=torch.int64)
-            pool.set_kv(layer, idx, torch.randn(len(slots), HKV, D, dtype=dtype), torch.randn(len(slots), HKV, D,
-                                                                                              dtype=dtype))
+            pool.set_kv(
+                layer, idx, torch.randn(len(slots), HKV, D, dtype=dtype), torch.randn(len(slots), HKV, D, dtype=dtype)
+            )
         pool.k_buffers[layer][0].fill_(1e3)
         pool.v_buffers[layer][0].fill_(1e3)
 
@@ -135,8 +136,12 @@ def test_cuda_backends_match_reference(backend_name, mode):
     for layer in range(pool.num_layers):
         gpu_pool.k_buffers[layer].copy_(pool.k_buffers[layer])
         gpu_pool.v_buffers[layer].copy_(pool.v_buffers[layer])
-    gbatch = ForwardBatch(**{f: (getattr(batch, f).to(dev) if isinstance(getattr(batch, f), torch.Tensor)
-                                 else getattr(batch, f)) for f in batch.__dataclass_fields__})
+    gbatch = ForwardBatch(
+        **{
+            f: (getattr(batch, f).to(dev) if isinstance(getattr(batch, f), torch.Tensor) else getattr(batch, f))
+            for f in batch.__dataclass_fields__
+        }
+    )
     backend = create_attention_backend(backend_name, HQ, HKV, D, dtype, dev)
     backend.init_forward_metadata(gbatch)
     out = backend.forward(q.to(dev), k.to(dev), v.to(dev), 1, gpu_pool, gbatch).cpu()
@@ -167,8 +172,13 @@ def _cascade_case(seed: int, dtype, shared: list[tuple[int, list[int]]], solo: l
     _fill_pool(pool, [s[:-1] for s in slots], dtype)
     batch = ForwardBatch.build(ForwardMode.DECODE, [[0]] * len(slots), slots)
     B = len(slots)
-    return pool, batch, torch.randn(B, HQ, D, dtype=dtype), torch.randn(B, HKV, D, dtype=dtype), \
-        torch.randn(B, HKV, D, dtype=dtype)
+    return (
+        pool,
+        batch,
+        torch.randn(B, HQ, D, dtype=dtype),
+        torch.randn(B, HKV, D, dtype=dtype),
+        torch.randn(B, HKV, D, dtype=dtype),
+    )
 
 
 CASCADE_CASES = {
@@ -230,8 +240,9 @@ def test_decode_cascade_thresholds():
     torch.testing.assert_close(cascade.forward(q, k, v, 0, pool, batch), plain, atol=1e-5, rtol=1e-5)
 
 
-def _extend_cascade_case(seed: int, dtype, groups: list[tuple[int, list[tuple[int, int]]]],
-                         solo: list[tuple[int, int]]):
+def _extend_cascade_case(
+    seed: int, dtype, groups: list[tuple[int, list[tuple[int, int]]]], solo: list[tuple[int, int]]
+):
     """An EXTEND batch where groups of sequences share leading cached slots.
 
     ``groups``: per group, (shared length, per member (cached prefix length >= shared, new tokens)); members share
@@ -252,8 +263,13 @@ def _extend_cascade_case(seed: int, dtype, groups: list[tuple[int, list[tuple[in
     _fill_pool(pool, [s[: len(s) - n] for s, n in specs], dtype)
     batch = ForwardBatch.build(ForwardMode.EXTEND, [[0] * n for _, n in specs], [s for s, _ in specs])
     T = batch.num_tokens
-    return pool, batch, torch.randn(T, HQ, D, dtype=dtype), torch.randn(T, HKV, D, dtype=dtype), \
-        torch.randn(T, HKV, D, dtype=dtype)
+    return (
+        pool,
+        batch,
+        torch.randn(T, HQ, D, dtype=dtype),
+        torch.randn(T, HKV, D, dtype=dtype),
+        torch.randn(T, HKV, D, dtype=dtype),
+    )
 
 
 EXTEND_CASCADE_CASES = {

@@ -46,7 +46,11 @@ def server():
     torch.set_num_threads(2)
     engine = Engine(
         EngineArgs(
-            model_path=MODEL_DIR, context_length=C, num_threads=2, dtype="float32", max_total_tokens=16384,
+            model_path=MODEL_DIR,
+            context_length=C,
+            num_threads=2,
+            dtype="float32",
+            max_total_tokens=16384,
             max_running_requests=MAX_RUNNING,
         )
     )
@@ -108,7 +112,7 @@ def sse_events(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]
     events = []
     for ln in lines[:-1]:
         assert ln.startswith("data: "), ln
-        events.append(json.loads(ln[len("data: "):]))  # raises on invalid JSON (e.g. a cut character)
+        events.append(json.loads(ln[len("data: ") :]))  # raises on invalid JSON (e.g. a cut character)
     assert all("error" not in e for e in events), events
     return events
 
@@ -273,8 +277,12 @@ def test_case3_chat_logprobs_without_top_logprobs(url):
 
 def test_case3_chat_top_logprobs_sorted_streamed_and_not(client):
     kwargs = dict(
-        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=0,
-        logprobs=True, top_logprobs=2,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a fruit."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
     )
     r = client.chat.completions.create(**kwargs)
     content = r.choices[0].logprobs.content
@@ -282,14 +290,19 @@ def test_case3_chat_top_logprobs_sorted_streamed_and_not(client):
     for e in content:
         assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
         assert e.top_logprobs[0].token == e.token  # greedy picks the most likely token
-    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs
-                for e in c.choices[0].logprobs.content]
+    streamed = [
+        e
+        for c in client.chat.completions.create(**kwargs, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
 
 
 def test_case3_completion_legacy_logprobs(url):
-    r = post(url, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
-                                      "logprobs": 2})
+    r = post(
+        url, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    )
     choice = r.json()["choices"][0]
     lp = choice["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
@@ -322,8 +335,10 @@ def test_case3_legacy_offsets_with_characters_split_over_tokens(url):
         assert token in top and len(top) >= 2  # two distinct alternatives, even when they are partial characters
     # Streamed: the same tokens and offsets, carried across chunks.
     events = [e for e in sse_events(url, "/v1/completions", body) if e["choices"]]
-    streamed = {k: [x for e in events if e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"][k]]
-                for k in ("tokens", "text_offset")}
+    streamed = {
+        k: [x for e in events if e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"][k]]
+        for k in ("tokens", "text_offset")
+    }
     assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
     # Echo: the prompt's tokens come first, and the completion's offsets continue after the prompt's text.
     choice = post(url, "/v1/completions", {**body, "echo": True}).json()["choices"][0]
@@ -436,11 +451,13 @@ def test_case6_prompt_at_or_over_context_length(url, tok):
             ]
             rs = [await c.post("/v1/completions", json=b) for b in bodies]
             rs.append(await c.post("/generate", json={"input_ids": _ids(tok, C), "sampling_params": {}}))
-            rs.append(await c.post("/v1/chat/completions",
-                                   json=chat_body("word " * (C + 10), max_tokens=16)))
+            rs.append(await c.post("/v1/chat/completions", json=chat_body("word " * (C + 10), max_tokens=16)))
             streamed = await inflight
-            parts = [json.loads(ln[6:])["choices"][0]["text"] for ln in streamed.text.splitlines()
-                     if ln.startswith("data: {")]
+            parts = [
+                json.loads(ln[6:])["choices"][0]["text"]
+                for ln in streamed.text.splitlines()
+                if ln.startswith("data: {")
+            ]
             return rs, parts, alone
 
     rs, parts, alone = asyncio.run(go())
@@ -473,8 +490,11 @@ BAD_SCHEMAS = [
     ({"type": "array", "items": 5}, "items"),
     ({"$ref": "#/definitions/missing"}, "definitions"),
 ]
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 
 def _person_format(schema: dict[str, Any] = PERSON) -> dict[str, Any]:
@@ -490,13 +510,18 @@ def test_case7_invalid_json_schema_is_400_twice(url, schema, needle):
         assert_error(r, 400, "invalid json_schema", needle)
         r = post(url, "/v1/completions", {"prompt": "JSON:", "max_tokens": 8, "response_format": fmt})
         assert_error(r, 400, "invalid json_schema", needle)
-        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
-                          json=chat_body("Give me JSON.", max_tokens=8, response_format=fmt, stream=True)) as s:
+        with httpx.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            timeout=60,
+            json=chat_body("Give me JSON.", max_tokens=8, response_format=fmt, stream=True),
+        ) as s:
             assert s.status_code == 400  # an HTTP error, not an SSE error event after a 200
     assert metric(url, "grammar_cache_hits_total") >= hits + 5
     # A valid schema right after is served, constrained.
-    r = post(url, "/v1/chat/completions", chat_body("Describe a person.", max_tokens=64,
-                                                    response_format=_person_format()))
+    r = post(
+        url, "/v1/chat/completions", chat_body("Describe a person.", max_tokens=64, response_format=_person_format())
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
@@ -506,13 +531,26 @@ def test_case7_invalid_json_schema_is_400_twice(url, schema, needle):
 
 
 CASE8_PROMPTS = [
-    "Describe a person.", "Invent a character for a novel.", "Who is the main character of your favourite book?",
-    "Make a table of three people with their names and ages.", "请用中文介绍一个人。", "Describe your grandmother.",
-    "Tell me about a famous scientist.", "Create a profile for a new employee.", "Describe a marathon winner.",
-    "Describe a teacher you remember.", "Invent a superhero.", "Describe a baby born today.",
-    "Give me a random user for a test database.", "Who is the oldest person you know of?",
-    "Describe a chef in Paris.", "Write about a pilot.", "Describe a child at school.",
-    "Tell me about an astronaut.", "Describe a retired footballer.", "Who is your neighbour?",
+    "Describe a person.",
+    "Invent a character for a novel.",
+    "Who is the main character of your favourite book?",
+    "Make a table of three people with their names and ages.",
+    "请用中文介绍一个人。",
+    "Describe your grandmother.",
+    "Tell me about a famous scientist.",
+    "Create a profile for a new employee.",
+    "Describe a marathon winner.",
+    "Describe a teacher you remember.",
+    "Invent a superhero.",
+    "Describe a baby born today.",
+    "Give me a random user for a test database.",
+    "Who is the oldest person you know of?",
+    "Describe a chef in Paris.",
+    "Write about a pilot.",
+    "Describe a child at school.",
+    "Tell me about an astronaut.",
+    "Describe a retired footballer.",
+    "Who is your neighbour?",
 ]
 
 
@@ -520,8 +558,9 @@ def test_case8_constrained_json_terminates_and_validates(url):
     import jsonschema
 
     async def one(client: httpx.AsyncClient, prompt: str) -> dict[str, Any]:
-        r = await client.post(url + "/v1/chat/completions", json=chat_body(prompt, max_tokens=256,
-                                                                           response_format=_person_format()))
+        r = await client.post(
+            url + "/v1/chat/completions", json=chat_body(prompt, max_tokens=256, response_format=_person_format())
+        )
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]
 
@@ -541,12 +580,21 @@ def test_case8_constrained_json_terminates_and_validates(url):
     assert not bad, bad
     assert metric(url, "num_constrained_requests_total") >= before + len(CASE8_PROMPTS)
     # json_object and the native json_schema parse too.
-    r = post(url, "/v1/chat/completions", chat_body("Describe a car as JSON.", max_tokens=128,
-                                                    response_format={"type": "json_object"}))
+    r = post(
+        url,
+        "/v1/chat/completions",
+        chat_body("Describe a car as JSON.", max_tokens=128, response_format={"type": "json_object"}),
+    )
     assert r.status_code == 200, r.text
     assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
-    r = post(url, "/generate", {"text": "Person:", "sampling_params": {"json_schema": json.dumps(PERSON),
-                                                                       "temperature": 0, "max_new_tokens": 128}})
+    r = post(
+        url,
+        "/generate",
+        {
+            "text": "Person:",
+            "sampling_params": {"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 128},
+        },
+    )
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["text"]), PERSON)
 
@@ -557,32 +605,47 @@ IPV4 = r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)"
 def test_case9_regex_edge_cases(url):
     t0 = time.monotonic()
     # Empty regex: only the empty string matches, so only eos is allowed: an empty completion, finish "stop".
-    r = post(url, "/generate", {"text": "IP address:", "sampling_params": {"regex": "", "temperature": 0,
-                                                                         "max_new_tokens": 16}}, timeout=60)
+    r = post(
+        url,
+        "/generate",
+        {"text": "IP address:", "sampling_params": {"regex": "", "temperature": 0, "max_new_tokens": 16}},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["text"] == "" and r.json()["meta_info"]["finish_reason"]["type"] == "stop"
     r = post(url, "/v1/completions", {"prompt": "IP address:", "max_tokens": 16, "regex": ""}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == "" and r.json()["choices"][0]["finish_reason"] == "stop"
     # IPv4, greedy: the whole output matches.
-    r = post(url, "/generate", {"text": "The IP address of the local host is ",
-                                "sampling_params": {"regex": IPV4, "temperature": 0, "max_new_tokens": 24}}, timeout=60)
+    r = post(
+        url,
+        "/generate",
+        {
+            "text": "The IP address of the local host is ",
+            "sampling_params": {"regex": IPV4, "temperature": 0, "max_new_tokens": 24},
+        },
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     assert re.fullmatch(IPV4, r.json()["text"]), r.json()["text"]
     assert r.json()["meta_info"]["finish_reason"]["type"] == "stop"
-    r = post(url, "/v1/completions", {"prompt": "IP address:", "max_tokens": 24, "regex": IPV4, "temperature": 0},
-             timeout=60)
+    r = post(
+        url, "/v1/completions", {"prompt": "IP address:", "max_tokens": 24, "regex": IPV4, "temperature": 0}, timeout=60
+    )
     assert r.status_code == 200 and re.fullmatch(IPV4, r.json()["choices"][0]["text"]), r.text
     # A backreference xgrammar cannot express: 400 naming it, twice (cached), streaming too.
     for stream in (False, True, False):
-        r = post(url, "/generate", {"text": "x", "stream": stream, "sampling_params": {"regex": r"(a+)\1"}},
-                 timeout=60)
+        r = post(url, "/generate", {"text": "x", "stream": stream, "sampling_params": {"regex": r"(a+)\1"}}, timeout=60)
         assert_error(r, 400, "Backreference")
     r = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 8, "regex": r"(a+)\1"}, timeout=60)
     assert_error(r, 400, "Backreference")
     # EBNF works.
-    r = post(url, "/generate", {"text": "Grammar:", "sampling_params": {"ebnf": 'root ::= "a" | "b"',
-                                                                      "temperature": 0}}, timeout=60)
+    r = post(
+        url,
+        "/generate",
+        {"text": "Grammar:", "sampling_params": {"ebnf": 'root ::= "a" | "b"', "temperature": 0}},
+        timeout=60,
+    )
     assert r.status_code == 200 and r.json()["text"] in ("a", "b"), r.text
     assert time.monotonic() - t0 < 120
 
@@ -598,8 +661,9 @@ async def _poll(c: httpx.AsyncClient, cond: Any, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         text = (await c.get("/metrics")).text
-        values = {m.group(1): float(m.group(2))
-                  for m in re.finditer(r"^radixserve_engine_(\w+)\{[^}]*\} (\S+)$", text, re.M)}
+        values = {
+            m.group(1): float(m.group(2)) for m in re.finditer(r"^radixserve_engine_(\w+)\{[^}]*\} (\S+)$", text, re.M)
+        }
         if cond(values):
             return True
         if time.monotonic() > deadline:
@@ -615,8 +679,9 @@ async def _disconnect_cycle(url: str, cycle: int) -> int:
         # 1. Non-streaming requests (OpenAI and native) fill every running slot.
         nonstream = [
             asyncio.ensure_future(
-                c.post("/v1/completions", json={"prompt": f"Cycle {cycle}, story {j}:", **long}) if j % 2 else
-                c.post("/generate", json={"text": f"Cycle {cycle}, story {j}:", "sampling_params": native_long})
+                c.post("/v1/completions", json={"prompt": f"Cycle {cycle}, story {j}:", **long})
+                if j % 2
+                else c.post("/generate", json={"text": f"Cycle {cycle}, story {j}:", "sampling_params": native_long})
             )
             for j in range(PER_KIND)
         ]
@@ -638,15 +703,17 @@ async def _disconnect_cycle(url: str, cycle: int) -> int:
         streams = [asyncio.ensure_future(first_chunk_then_close(j)) for j in range(PER_KIND)]
         # 3. Clients that give up while still queued, before any output: two streaming, two not.
         impatient = [
-            asyncio.ensure_future(c.post("/v1/completions", json={"prompt": f"Cycle {cycle}, gives up {j}:",
-                                                                  "stream": j % 2 == 0, **long}))
+            asyncio.ensure_future(
+                c.post(
+                    "/v1/completions", json={"prompt": f"Cycle {cycle}, gives up {j}:", "stream": j % 2 == 0, **long}
+                )
+            )
             for j in range(GIVE_UP)
         ]
         # 4. One more request, queued too, aborted by rid while it waits.
         rid = f"case10-queued-{cycle}"
         queued = asyncio.ensure_future(
-            c.post("/v1/completions", json={"prompt": f"Cycle {cycle}, queued:", **long},
-                   headers={"x-request-id": rid})
+            c.post("/v1/completions", json={"prompt": f"Cycle {cycle}, queued:", **long}, headers={"x-request-id": rid})
         )
         assert await _poll(c, lambda v: v["num_queue_reqs"] == PER_KIND + GIVE_UP + 1, 120)
         for t in impatient:
@@ -676,7 +743,8 @@ def test_case10_disconnects_free_everything(url):
         aborted = asyncio.run(_disconnect_cycle(url, cycle))
         assert wait_until(lambda: metric(url, "num_running_reqs") == 0 and metric(url, "num_queue_reqs") == 0, 120)
         assert wait_until(lambda: metric(url, "num_aborted_requests_total") == aborted_before + aborted, 60), (
-            metric(url, "num_aborted_requests_total") - aborted_before, aborted
+            metric(url, "num_aborted_requests_total") - aborted_before,
+            aborted,
         )
         # Every KV slot still used belongs to the radix cache and can be evicted: free + evictable == total.
         assert wait_until(lambda: metric(url, "num_used_tokens") == metric(url, "num_evictable_tokens"), 30)
@@ -718,10 +786,20 @@ def test_case10_disconnect_before_the_stream_body_starts_aborts(tok):
         sent.append(message)
 
     async def go() -> None:
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "scheme": "http", "root_path": ""}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+            "scheme": "http",
+            "root_path": "",
+        }
         await asyncio.wait_for(app(scope, receive, send), 30)
         await asyncio.sleep(0.3)  # several fake steps: a leaked generation would still be running
 

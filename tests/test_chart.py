@@ -60,8 +60,9 @@ def one(objs: list[dict], kind: str) -> dict:
 
 
 def operator_deployment(objs: list[dict]) -> dict:
-    deps = [o for o in by_kind(objs, "Deployment")
-            if o["metadata"]["labels"].get(constants.LABEL_COMPONENT) == "operator"]
+    deps = [
+        o for o in by_kind(objs, "Deployment") if o["metadata"]["labels"].get(constants.LABEL_COMPONENT) == "operator"
+    ]
     assert len(deps) == 1, deps
     return deps[0]
 
@@ -125,8 +126,14 @@ def test_missing_helm_skips_locally_and_fails_in_ci(monkeypatch, tmp_path):
 def test_fetch_tools_is_idempotent():
     """A second run with the tools in place verifies their versions and downloads nothing."""
     helm_bin()
-    proc = subprocess.run([os.path.join(ROOT, "scripts", "fetch_tools.sh")], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env={**os.environ, "PIP_NO_INDEX": "1"})
+    proc = subprocess.run(
+        [os.path.join(ROOT, "scripts", "fetch_tools.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PIP_NO_INDEX": "1"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "already in .tools/bin" in proc.stdout
 
@@ -172,7 +179,9 @@ def check_monitor(obj: dict) -> None:
     assert set(spec) == {"selector", "namespaceSelector", endpoints_key}
     assert spec["selector"] == {"matchLabels": {constants.LABEL_NAME: constants.LABEL_NAME_VALUE}}
     ns_sel = spec["namespaceSelector"]
-    assert ns_sel == {"any": True} or (set(ns_sel) == {"matchNames"} and all(isinstance(n, str) for n in ns_sel["matchNames"]))
+    assert ns_sel == {"any": True} or (
+        set(ns_sel) == {"matchNames"} and all(isinstance(n, str) for n in ns_sel["matchNames"])
+    )
     for ep in spec[endpoints_key]:
         assert set(ep) <= {"port", "path", "interval", "scrapeTimeout"}, ep
         assert isinstance(ep["port"], str) and ep["path"] == "/metrics"
@@ -201,8 +210,14 @@ def validate_all(objs: list[dict], kube_version: str) -> None:
 def test_rendered_objects_validate(kube_version, values):
     objs = helm_template(all_values() if values else None, kube_version=kube_version, include_crds=True)
     kinds = {o["kind"] for o in objs}
-    expected = {"CustomResourceDefinition", "Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                "Service"}
+    expected = {
+        "CustomResourceDefinition",
+        "Deployment",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Service",
+    }
     if values:
         expected |= {"Role", "RoleBinding", "ServiceMonitor", "PodMonitor", "ConfigMap", constants.CRD_KIND}
     assert expected <= kinds, expected - kinds
@@ -269,7 +284,11 @@ def test_watch_namespaces_renders_roles_and_no_cluster_access_to_namespaced_kind
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["a", "b"]
     sa_name = one(objs, "ServiceAccount")["metadata"]["name"]
     for b in bindings:
-        assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": roles[0]["metadata"]["name"]}
+        assert b["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": roles[0]["metadata"]["name"],
+        }
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa_name, "namespace": NAMESPACE}]
     for cr in by_kind(objs, "ClusterRole"):
         resources = {r for rule in cr["rules"] for r in rule["resources"]}
@@ -352,13 +371,19 @@ def test_operator_deployment(default_objs):
         defaults = yaml.safe_load(f)
     assert args[args.index("--resync-seconds") + 1] == str(defaults["operator"]["resyncSeconds"])
     assert args[args.index("--image-pull-policy") + 1] == defaults["image"]["pullPolicy"] == c["imagePullPolicy"]
-    assert c["ports"] == [{"name": OPERATOR_PORT_NAME, "containerPort": constants.OPERATOR_METRICS_PORT, "protocol": "TCP"}]
+    assert c["ports"] == [
+        {"name": OPERATOR_PORT_NAME, "containerPort": constants.OPERATOR_METRICS_PORT, "protocol": "TCP"}
+    ]
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": OPERATOR_PORT_NAME}
     sc = c["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
     assert pod["serviceAccountName"] == one(default_objs, "ServiceAccount")["metadata"]["name"]
-    svc = [s for s in by_kind(default_objs, "Service") if s["metadata"]["labels"].get(constants.LABEL_COMPONENT) == "operator"]
+    svc = [
+        s
+        for s in by_kind(default_objs, "Service")
+        if s["metadata"]["labels"].get(constants.LABEL_COMPONENT) == "operator"
+    ]
     assert len(svc) == 1 and svc[0]["spec"]["ports"][0]["targetPort"] == OPERATOR_PORT_NAME
     assert svc[0]["spec"]["selector"].items() <= labels.items()
 
@@ -377,13 +402,21 @@ def test_operator_values_reach_the_pod(all_objs):
     for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"):
         assert pod[key] == (vals["operator"].get(key) or vals.get(key)), key
     assert pod["serviceAccountName"] == vals["serviceAccount"]["name"]
-    assert all(o["metadata"]["name"].startswith(vals["fullnameOverride"]) for o in all_objs
-               if o["kind"] not in ("CustomResourceDefinition", constants.CRD_KIND))
+    assert all(
+        o["metadata"]["name"].startswith(vals["fullnameOverride"])
+        for o in all_objs
+        if o["kind"] not in ("CustomResourceDefinition", constants.CRD_KIND)
+    )
 
 
 def operator_cli_help() -> str:
-    proc = subprocess.run([sys.executable, "-m", "radixserve", "operator", "--help"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixserve", "operator", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     return proc.stdout + proc.stderr
 
 
@@ -394,7 +427,9 @@ def test_operator_args_parse_with_the_cli(values):
     help_text = operator_cli_help()
     missing = [f for f in flags if f not in help_text]
     if missing:
-        pytest.xfail(f"`radixserve operator --help` does not list {missing} yet (src/radixserve/launch/cli.py, issue 5)")
+        pytest.xfail(
+            f"`radixserve operator --help` does not list {missing} yet (src/radixserve/launch/cli.py, issue 5)"
+        )
     from radixserve.launch.cli import build_parser
 
     try:
@@ -414,7 +449,9 @@ def test_operator_args_parse_with_the_cli(values):
 def test_monitors_select_what_the_operator_creates(all_objs):
     """Engine/router pods and Services the operator renders carry the monitors' label and a port named http."""
     isvc_body = one(all_objs, constants.CRD_KIND)
-    children = render_children(isvc_spec.InferenceService.model_validate(isvc_body), RenderOptions(image="radixserve:t"))
+    children = render_children(
+        isvc_spec.InferenceService.model_validate(isvc_body), RenderOptions(image="radixserve:t")
+    )
     for monitor in (one(all_objs, "ServiceMonitor"), one(all_objs, "PodMonitor")):
         check_monitor(monitor)
         # watched namespaces plus the release namespace (the operator's own metrics)
@@ -447,10 +484,18 @@ def test_monitors_are_off_by_default_and_any_namespace_when_watching_all(default
 # --- Grafana dashboard -----------------------------------------------------------------------------------------------
 
 KNOWN_METRICS = (
-    {constants.ENGINE_METRIC_PREFIX + n for n in constants.ENGINE_GAUGES + constants.ENGINE_COUNTERS + constants.ENGINE_HISTOGRAMS}
-    | {constants.ROUTER_METRIC_PREFIX + n for n in constants.ROUTER_COUNTERS + constants.ROUTER_GAUGES + constants.ROUTER_HISTOGRAMS}
-    | {constants.OPERATOR_METRIC_PREFIX + n
-       for n in constants.OPERATOR_COUNTERS + constants.OPERATOR_GAUGES + constants.OPERATOR_HISTOGRAMS}
+    {
+        constants.ENGINE_METRIC_PREFIX + n
+        for n in constants.ENGINE_GAUGES + constants.ENGINE_COUNTERS + constants.ENGINE_HISTOGRAMS
+    }
+    | {
+        constants.ROUTER_METRIC_PREFIX + n
+        for n in constants.ROUTER_COUNTERS + constants.ROUTER_GAUGES + constants.ROUTER_HISTOGRAMS
+    }
+    | {
+        constants.OPERATOR_METRIC_PREFIX + n
+        for n in constants.OPERATOR_COUNTERS + constants.OPERATOR_GAUGES + constants.OPERATOR_HISTOGRAMS
+    }
 )
 
 
@@ -484,13 +529,33 @@ def test_dashboard_uses_only_contract_metrics(all_objs):
         if "histogram_quantile" in e:
             assert re.search(r"_bucket[{\[]", e), e
     # The issue's panels: request rate, TTFT, ITL, cache hit rate, KV usage, queue depth, router decisions.
-    wanted = {constants.ROUTER_METRIC_PREFIX + n for n in (
-        "requests_total", "ttft_seconds", "decisions_total", "retries_total", "ejections_total",
-        "predicted_cached_tokens_total", "actual_cached_tokens_total")}
-    wanted |= {constants.ENGINE_METRIC_PREFIX + n for n in (
-        "num_requests_total", "time_to_first_token_seconds", "inter_token_latency_seconds", "cached_tokens_total",
-        "prompt_tokens_total", "token_usage", "num_used_tokens", "max_total_num_tokens", "num_queue_reqs",
-        "num_running_reqs")}
+    wanted = {
+        constants.ROUTER_METRIC_PREFIX + n
+        for n in (
+            "requests_total",
+            "ttft_seconds",
+            "decisions_total",
+            "retries_total",
+            "ejections_total",
+            "predicted_cached_tokens_total",
+            "actual_cached_tokens_total",
+        )
+    }
+    wanted |= {
+        constants.ENGINE_METRIC_PREFIX + n
+        for n in (
+            "num_requests_total",
+            "time_to_first_token_seconds",
+            "inter_token_latency_seconds",
+            "cached_tokens_total",
+            "prompt_tokens_total",
+            "token_usage",
+            "num_used_tokens",
+            "max_total_num_tokens",
+            "num_queue_reqs",
+            "num_running_reqs",
+        )
+    }
     assert wanted <= used, sorted(wanted - used)
 
 
@@ -564,8 +629,10 @@ def render_notes(values: dict[str, Any], tmp_path) -> str:
     (chart / "templates" / "notes-probe.yaml").write_text(
         'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: {{ include "notes.probe" . | toJson }}\n'
     )
-    proc = run_helm(["template", "radixserve", str(chart), "--namespace", NAMESPACE,
-                     "--show-only", "templates/notes-probe.yaml"], values)
+    proc = run_helm(
+        ["template", "radixserve", str(chart), "--namespace", NAMESPACE, "--show-only", "templates/notes-probe.yaml"],
+        values,
+    )
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)["data"]["notes"]
 

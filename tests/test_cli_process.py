@@ -22,9 +22,26 @@ def test_sigint_with_requests_in_flight_aborts_them_and_exits(tmp_path):
     port = free_port()
     log = open(tmp_path / "engine.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "radixserve", "engine", "--model-path", MODEL_DIR, "--port", str(port),
-         "--context-length", "2048", "--max-total-tokens", "8192", "--num-threads", "2"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "radixserve",
+            "engine",
+            "--model-path",
+            MODEL_DIR,
+            "--port",
+            str(port),
+            "--context-length",
+            "2048",
+            "--max-total-tokens",
+            "8192",
+            "--num-threads",
+            "2",
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -113,7 +113,7 @@ def test_prompt_tail_gives_context_only(hf_tok):
     prompt = hf_tok.encode("The answer is", add_special_tokens=False)
     out = hf_tok.encode(" forty-two 🎉 ok", add_special_tokens=False)
     pieces, detok = stream(hf_tok, out, [1] * len(out), prompt_tail=prompt[-3:])
-    expected = hf_tok.decode(prompt[-3:] + out)[len(hf_tok.decode(prompt[-3:])):]
+    expected = hf_tok.decode(prompt[-3:] + out)[len(hf_tok.decode(prompt[-3:])) :]
     assert "".join(pieces) == expected == " forty-two 🎉 ok"
 
 
@@ -348,9 +348,9 @@ def test_hypothesis_holds_back_only_possible_stop_prefixes(text, stops):
         out += piece
         if matched:
             return
-        held = fed[len(out):]
+        held = fed[len(out) :]
         assert fed.startswith(out)
         longest = max(
-            (k for k in range(len(fed) + 1) if any(len(s) > k and s.startswith(fed[len(fed) - k:]) for s in stops)),
+            (k for k in range(len(fed) + 1) if any(len(s) > k and s.startswith(fed[len(fed) - k :]) for s in stops)),
         )
         assert len(held) == longest

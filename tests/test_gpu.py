@@ -39,9 +39,19 @@ def tiny_model_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     for f in TOKENIZER_FILES:
         if os.path.exists(os.path.join(TOKENIZER_DIR, f)):
@@ -54,8 +64,9 @@ def _greedy(engine, prompts: list[list[int]], max_new: int = 16) -> list[list[in
 
     async def one(ids):
         toks = []
-        req = GenerateRequest(uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=max_new, temperature=0.0,
-                                                                  ignore_eos=True))
+        req = GenerateRequest(
+            uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+        )
         async for out in engine.generate(req):
             toks += out.token_ids
         return toks
@@ -73,8 +84,14 @@ def test_engine_on_cuda(tiny_model_dir, backend):
     from radixserve.engine.config import EngineArgs
     from radixserve.engine.engine import Engine
 
-    base = EngineArgs(model_path=tiny_model_dir, device="cuda", dtype="bfloat16", attention_backend=backend,
-                      context_length=1024, max_total_tokens=4096)
+    base = EngineArgs(
+        model_path=tiny_model_dir,
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend=backend,
+        context_length=1024,
+        max_total_tokens=4096,
+    )
     shared = list(range(100, 400))
     prompts = [shared + [500 + i, 600 + i, 700 + i] for i in range(4)]
     results = {}
@@ -88,7 +105,9 @@ def test_engine_on_cuda(tiny_model_dir, backend):
             warm = _greedy(engine, prompts)
             results[disable] = (cold, warm)
             sched = engine.scheduler
-            assert sched.call(lambda: sched.allocator.available() + sched.cache.evictable_size()) == sched.allocator.size
+            assert (
+                sched.call(lambda: sched.allocator.available() + sched.cache.evictable_size()) == sched.allocator.size
+            )
         finally:
             engine.shutdown()
     # bf16 on GPU: batch composition may flip near-ties, so compare the first tokens and overall agreement.

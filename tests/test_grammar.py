@@ -118,8 +118,11 @@ def test_at_most_one_grammar_field():
 
 # ------------------------------------------------------------------------------------------------- real model
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 
 def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
@@ -133,44 +136,98 @@ SCHEMA_PROMPTS: list[tuple[str, dict[str, Any]]] = [
     ("Describe a person.", PERSON),
     ("Invent a character for a fantasy novel.", PERSON),
     ("请用JSON描述一个人的姓名和年龄。", PERSON),
-    ("Make a table of three countries and their capitals.",
-     _obj({"rows": {"type": "array", "items": _obj({"country": S, "capital": S}), "minItems": 1, "maxItems": 3}})),
-    ("Give me a user profile with a home address.",
-     _obj({"user": _obj({"name": S, "email": S}),
-           "address": _obj({"city": S, "zip": {"type": "string", "pattern": "[0-9]{5}"}})})),
-    ("What is the weather like today?",
-     _obj({"condition": {"enum": ["sunny", "rainy", "cloudy", "snowy"]},
-           "temperature_c": {"type": "integer", "minimum": -50, "maximum": 60}})),
-    ("Rate the movie Inception from 1 to 10.",
-     _obj({"movie": S, "rating": {"type": "integer", "minimum": 1, "maximum": 10}})),
+    (
+        "Make a table of three countries and their capitals.",
+        _obj({"rows": {"type": "array", "items": _obj({"country": S, "capital": S}), "minItems": 1, "maxItems": 3}}),
+    ),
+    (
+        "Give me a user profile with a home address.",
+        _obj(
+            {
+                "user": _obj({"name": S, "email": S}),
+                "address": _obj({"city": S, "zip": {"type": "string", "pattern": "[0-9]{5}"}}),
+            }
+        ),
+    ),
+    (
+        "What is the weather like today?",
+        _obj(
+            {
+                "condition": {"enum": ["sunny", "rainy", "cloudy", "snowy"]},
+                "temperature_c": {"type": "integer", "minimum": -50, "maximum": 60},
+            }
+        ),
+    ),
+    (
+        "Rate the movie Inception from 1 to 10.",
+        _obj({"movie": S, "rating": {"type": "integer", "minimum": 1, "maximum": 10}}),
+    ),
     ("List three fruits.", _obj({"fruits": {"type": "array", "items": S, "minItems": 3, "maxItems": 3}})),
     ("Is the sky blue? Answer with a reason.", _obj({"answer": {"type": "boolean"}, "reason": S})),
     ("How much does a cup of coffee cost?", _obj({"item": S, "price": {"type": "number", "minimum": 0}})),
     ("Pick a primary color.", _obj({"color": {"enum": ["red", "green", "blue"]}})),
-    ("Recommend a classic book.",
-     _obj({"title": S, "author": S, "year": {"type": "integer", "minimum": 1000, "maximum": 2025}})),
-    ("List the first two planets and their positions from the sun.",
-     _obj({"planets": {"type": "array", "minItems": 2, "maxItems": 2,
-                       "items": _obj({"name": S, "position": {"type": "integer", "minimum": 1, "maximum": 8}})}})),
-    ("Create a to-do item for tomorrow.",
-     _obj({"task": S, "priority": {"enum": ["low", "medium", "high"]}, "done": {"type": "boolean"}})),
-    ("Describe a dog.", _obj({"breed": S, "age": {"type": "integer", "minimum": 0, "maximum": 30},
-                              "vaccinated": {"type": "boolean"}})),
-    ("Give the coordinates of Paris.",
-     _obj({"lat": {"type": "number", "minimum": -90, "maximum": 90},
-           "lon": {"type": "number", "minimum": -180, "maximum": 180}})),
+    (
+        "Recommend a classic book.",
+        _obj({"title": S, "author": S, "year": {"type": "integer", "minimum": 1000, "maximum": 2025}}),
+    ),
+    (
+        "List the first two planets and their positions from the sun.",
+        _obj(
+            {
+                "planets": {
+                    "type": "array",
+                    "minItems": 2,
+                    "maxItems": 2,
+                    "items": _obj({"name": S, "position": {"type": "integer", "minimum": 1, "maximum": 8}}),
+                }
+            }
+        ),
+    ),
+    (
+        "Create a to-do item for tomorrow.",
+        _obj({"task": S, "priority": {"enum": ["low", "medium", "high"]}, "done": {"type": "boolean"}}),
+    ),
+    (
+        "Describe a dog.",
+        _obj({"breed": S, "age": {"type": "integer", "minimum": 0, "maximum": 30}, "vaccinated": {"type": "boolean"}}),
+    ),
+    (
+        "Give the coordinates of Paris.",
+        _obj(
+            {
+                "lat": {"type": "number", "minimum": -90, "maximum": 90},
+                "lon": {"type": "number", "minimum": -180, "maximum": 180},
+            }
+        ),
+    ),
     ("Write a short product review.", _obj({"stars": {"type": "integer", "minimum": 1, "maximum": 5}, "title": S})),
     ("Convert 5 kilometers to miles.", _obj({"km": {"type": "number"}, "miles": {"type": "number"}})),
-    ("Describe an upcoming concert.",
-     _obj({"event": _obj({"name": S, "date": {"type": "string", "pattern": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}}),
-           "attendees": {"type": "integer", "minimum": 0}})),
-    ("List the ingredients of a pancake recipe.",
-     _obj({"recipe": S, "ingredients": {"type": "array", "items": S, "minItems": 1, "maxItems": 5}})),
-    ("Classify the sentiment of: I love this!",
-     _obj({"sentiment": {"enum": ["positive", "negative", "neutral"]},
-           "confidence": {"type": "number", "minimum": 0, "maximum": 1}})),
-    ("Describe a city.",
-     _obj({"name": S, "population": {"type": "integer", "minimum": 0}, "country": S}, required=["name"])),
+    (
+        "Describe an upcoming concert.",
+        _obj(
+            {
+                "event": _obj({"name": S, "date": {"type": "string", "pattern": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}}),
+                "attendees": {"type": "integer", "minimum": 0},
+            }
+        ),
+    ),
+    (
+        "List the ingredients of a pancake recipe.",
+        _obj({"recipe": S, "ingredients": {"type": "array", "items": S, "minItems": 1, "maxItems": 5}}),
+    ),
+    (
+        "Classify the sentiment of: I love this!",
+        _obj(
+            {
+                "sentiment": {"enum": ["positive", "negative", "neutral"]},
+                "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            }
+        ),
+    ),
+    (
+        "Describe a city.",
+        _obj({"name": S, "population": {"type": "integer", "minimum": 0}, "country": S}, required=["name"]),
+    ),
 ]
 
 REGEXES = {
@@ -202,8 +259,9 @@ def served():
     from radixserve.engine.engine import Engine
     from radixserve.engine.server.http import create_app
 
-    engine = Engine(EngineArgs(model_path=MODEL_DIR, dtype="float32", context_length=2048, num_threads=2,
-                               max_total_tokens=16384))
+    engine = Engine(
+        EngineArgs(model_path=MODEL_DIR, dtype="float32", context_length=2048, num_threads=2, max_total_tokens=16384)
+    )
     with ServerThread(create_app(engine)) as url:
         assert wait_until(lambda: httpx.get(url + "/health").status_code == 200, 300)
         yield engine, url
@@ -220,8 +278,9 @@ def url(served):
 
 
 def chat_ids(engine: Any, text: str) -> list[int]:
-    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True)
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -344,8 +403,9 @@ def test_invalid_grammars_are_400_twice_and_the_engine_keeps_serving(engine):
 def test_parallel_samples_each_follow_the_schema(engine):
     # Bounded name: at temperature 1 an unbounded string may run to max_new_tokens, which is not what this checks.
     person = _obj({"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}})
-    out = run(engine, chat_ids(engine, "Describe a person."), json_schema=json.dumps(person), n=3, temperature=1.0,
-              seed=11)
+    out = run(
+        engine, chat_ids(engine, "Describe a person."), json_schema=json.dumps(person), n=3, temperature=1.0, seed=11
+    )
     assert sorted(out) == [0, 1, 2]
     for r in out.values():
         assert_valid_json(r["text"], person, r["finish"])
@@ -378,8 +438,11 @@ def test_constrained_after_a_cached_prefix(engine):
 @requires_model
 def test_abort_mid_generation_frees_everything(engine):
     async def go():
-        req = GenerateRequest(uuid.uuid4().hex, chat_ids(engine, "Describe a person."),
-                              SamplingParams(temperature=0.0, max_new_tokens=64, json_schema=json.dumps(PERSON)))
+        req = GenerateRequest(
+            uuid.uuid4().hex,
+            chat_ids(engine, "Describe a person."),
+            SamplingParams(temperature=0.0, max_new_tokens=64, json_schema=json.dumps(PERSON)),
+        )
         agen = engine.generate(req)
         async for _ in agen:
             break
@@ -432,8 +495,13 @@ def test_a_rejected_token_aborts_instead_of_running_unconstrained(engine):
 def test_metrics_are_exported(engine, url):
     run(engine, chat_ids(engine, "Pick a primary color."), json_schema=json.dumps(SCHEMA_PROMPTS[10][1]))
     text = httpx.get(url + "/metrics", timeout=30).text
-    for name in ("grammar_compile_seconds_count", "grammar_cache_hits_total", "num_grammar_queue_reqs",
-                 "num_constrained_requests_total", "grammar_aborts_total"):
+    for name in (
+        "grammar_compile_seconds_count",
+        "grammar_cache_hits_total",
+        "num_grammar_queue_reqs",
+        "num_constrained_requests_total",
+        "grammar_aborts_total",
+    ):
         assert re.search(rf"^radixserve_engine_{name}\{{", text, re.M), name
     m = re.search(r"^radixserve_engine_grammar_compile_seconds_count\{[^}]*\} (\S+)$", text, re.M)
     assert float(m.group(1)) >= 1
@@ -447,13 +515,15 @@ def _sse(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         assert r.status_code == 200, r.read()
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
-    return [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    return [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
 
 
 @requires_model
 def test_native_streaming_with_a_schema(url):
-    body = {"text": "Describe a person as JSON:", "sampling_params": {"json_schema": json.dumps(PERSON),
-                                                                      "temperature": 0, "max_new_tokens": 160}}
+    body = {
+        "text": "Describe a person as JSON:",
+        "sampling_params": {"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 160},
+    }
     full = httpx.post(url + "/generate", json=body, timeout=300).json()
     events = _sse(url, body)
     assert len(events) > 2
@@ -467,12 +537,16 @@ def test_native_streaming_with_a_schema(url):
 @pytest.mark.parametrize("stream", [False, True])
 def test_native_invalid_grammar_is_an_http_400_even_when_streaming(url, stream):
     for _ in range(2):
-        r = httpx.post(url + "/generate", json={"text": "x", "stream": stream,
-                                                 "sampling_params": {"regex": r"(a+)\1"}}, timeout=60)
+        r = httpx.post(
+            url + "/generate", json={"text": "x", "stream": stream, "sampling_params": {"regex": r"(a+)\1"}}, timeout=60
+        )
         assert r.status_code == 400, r.text
         assert "Backreference" in r.json()["message"] and r.json()["param"] == "regex"
-    r = httpx.post(url + "/generate", json={"text": "The capital of France is",
-                                             "sampling_params": {"max_new_tokens": 4, "temperature": 0}}, timeout=300)
+    r = httpx.post(
+        url + "/generate",
+        json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+        timeout=300,
+    )
     assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "length"
 
 
@@ -508,19 +582,21 @@ def test_retracted_constrained_requests_resume_consistently(engine):
 def test_bound_json_numbers_rewrites_only_generic_number_rules():
     from radixserve.engine.grammar.xgrammar_backend import MAX_NUMBER_DIGITS, bound_json_numbers
 
-    ebnf = "\n".join([
-        'basic_integer ::= (("0") | (basic_integer_1 [1-9] [0-9]*))',
-        'basic_number_2 ::= (("0") | ([1-9] [0-9]*))',
-        'basic_number_3 ::= ("" | ("." basic_number_digits{1, -1}))',
-        'basic_number_5 ::= ("" | ([eE] basic_number_4 basic_number_digits{1, -1}))',
-        'root_1 ::= (([1-9] [0-9]*))',
-    ])
+    ebnf = "\n".join(
+        [
+            'basic_integer ::= (("0") | (basic_integer_1 [1-9] [0-9]*))',
+            'basic_number_2 ::= (("0") | ([1-9] [0-9]*))',
+            'basic_number_3 ::= ("" | ("." basic_number_digits{1, -1}))',
+            'basic_number_5 ::= ("" | ([eE] basic_number_4 basic_number_digits{1, -1}))',
+            "root_1 ::= (([1-9] [0-9]*))",
+        ]
+    )
     lines = bound_json_numbers(ebnf).splitlines()
     assert lines[0].endswith("[0-9]{0,%d}))" % (MAX_NUMBER_DIGITS - 1))
     assert lines[1].endswith("[0-9]{0,%d}))" % (MAX_NUMBER_DIGITS - 1))
     assert "basic_number_digits{1,%d}" % MAX_NUMBER_DIGITS in lines[2]
     assert "basic_number_digits{1,3}" in lines[3]
-    assert lines[4] == 'root_1 ::= (([1-9] [0-9]*))'  # a user's pattern stays as written
+    assert lines[4] == "root_1 ::= (([1-9] [0-9]*))"  # a user's pattern stays as written
 
 
 @requires_model
@@ -537,14 +613,17 @@ def test_unconstrained_numbers_have_bounded_digits(engine):
 def test_bound_schema_numbers_closes_one_sided_ranges_only():
     from radixserve.engine.grammar.xgrammar_backend import NUMBER_BOUND, bound_schema_numbers
 
-    schema = {"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": 0},
-        "b": {"type": ["number", "null"], "exclusiveMaximum": 5},
-        "c": {"type": "integer", "minimum": 1, "maximum": 3},
-        "d": {"type": "integer"},  # unbounded: the EBNF rewrite bounds its digits
-        "e": {"type": "integer", "minimum": 10**20},  # above the bound: left alone
-        "f": {"enum": [{"type": "integer", "minimum": 0}]},  # data, not a schema
-    }}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "minimum": 0},
+            "b": {"type": ["number", "null"], "exclusiveMaximum": 5},
+            "c": {"type": "integer", "minimum": 1, "maximum": 3},
+            "d": {"type": "integer"},  # unbounded: the EBNF rewrite bounds its digits
+            "e": {"type": "integer", "minimum": 10**20},  # above the bound: left alone
+            "f": {"enum": [{"type": "integer", "minimum": 0}]},  # data, not a schema
+        },
+    }
     out = bound_schema_numbers(schema)["properties"]
     assert out["a"] == {"type": "integer", "minimum": 0, "maximum": NUMBER_BOUND}
     assert out["b"]["minimum"] == -NUMBER_BOUND and "maximum" not in out["b"]
@@ -555,12 +634,15 @@ def test_bound_schema_numbers_closes_one_sided_ranges_only():
 
 @requires_model
 def test_invalid_grammar_with_max_tokens_zero_is_still_400(url):
-    r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0,
-                                                                             "json_schema": '{"type": "strin"}'}},
-                   timeout=60)
+    r = httpx.post(
+        url + "/generate",
+        json={"text": "x", "sampling_params": {"max_new_tokens": 0, "json_schema": '{"type": "strin"}'}},
+        timeout=60,
+    )
     assert r.status_code == 400 and "strin" in r.json()["message"], r.text
-    r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0, "regex": "a"}},
-                   timeout=60)
+    r = httpx.post(
+        url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0, "regex": "a"}}, timeout=60
+    )
     assert r.status_code == 200 and r.json()["text"] == ""
 
 
@@ -571,8 +653,13 @@ HEAVY_PROP = {"type": "string", "pattern": "[a-z]{1,200}@[a-z]{1,100}\\.[a-z]{2,
 
 
 def _heavy_schema(n: int, tag: str = "p") -> str:
-    return json.dumps({"type": "object", "properties": {f"{tag}{i}": HEAVY_PROP for i in range(n)},
-                       "required": [f"{tag}{i}" for i in range(n)]})
+    return json.dumps(
+        {
+            "type": "object",
+            "properties": {f"{tag}{i}": HEAVY_PROP for i in range(n)},
+            "required": [f"{tag}{i}" for i in range(n)],
+        }
+    )
 
 
 def _backend(**kwargs: Any) -> Any:
@@ -620,6 +707,7 @@ def test_trivial_grammar_does_not_wait_behind_a_heavy_one_and_the_timeout_blames
 def test_busy_workers_are_a_503_not_the_grammar_fault_and_abandoned_queued_compiles_are_cancelled():
     backend = _backend(num_workers=1, queue_timeout_s=0.3, compile_timeout_s=120)
     try:
+
         async def go():
             heavy = asyncio.create_task(backend.get("json_schema", _heavy_schema(15)))
             await asyncio.sleep(0.2)
@@ -650,25 +738,43 @@ def test_busy_workers_are_a_503_not_the_grammar_fault_and_abandoned_queued_compi
 STR = {"type": "string"}
 UNSUPPORTED_SCHEMAS = [
     ({"not": STR}, "not", "#/not"),
-    ({"type": "object", "properties": {"tags": {"type": "array", "items": STR, "uniqueItems": True}}},
-     "uniqueItems", "#/properties/tags/uniqueItems"),
+    (
+        {"type": "object", "properties": {"tags": {"type": "array", "items": STR, "uniqueItems": True}}},
+        "uniqueItems",
+        "#/properties/tags/uniqueItems",
+    ),
     ({"type": "array", "contains": STR}, "contains", "#/contains"),
     ({"if": STR, "then": {"maxLength": 1}, "else": {"type": "integer"}}, "if", "#/if"),
-    ({"type": "object", "properties": {"a": {"allOf": [{"type": "integer"}, {"minimum": 5}]}}},
-     "allOf", "#/properties/a/allOf"),
+    (
+        {"type": "object", "properties": {"a": {"allOf": [{"type": "integer"}, {"minimum": 5}]}}},
+        "allOf",
+        "#/properties/a/allOf",
+    ),
     ({"type": "object", "minProperties": 2}, "minProperties", "#/minProperties"),
     ({"type": "object", "maxProperties": 1}, "maxProperties", "#/maxProperties"),
     ({"type": "object", "propertyNames": {"pattern": "^a"}}, "propertyNames", "#/propertyNames"),
     ({"type": "object", "patternProperties": {"^a": {"type": "integer"}}}, "patternProperties", "#/patternProperties"),
-    ({"type": "object", "properties": {"a": STR, "b": STR}, "dependentRequired": {"a": ["b"]}},
-     "dependentRequired", "#/dependentRequired"),
-    ({"type": "object", "properties": {"a": STR}, "dependentSchemas": {"a": {"required": ["b"]}}},
-     "dependentSchemas", "#/dependentSchemas"),
-    ({"type": "object", "properties": {"a": STR}, "unevaluatedProperties": False},
-     "unevaluatedProperties", "#/unevaluatedProperties"),
+    (
+        {"type": "object", "properties": {"a": STR, "b": STR}, "dependentRequired": {"a": ["b"]}},
+        "dependentRequired",
+        "#/dependentRequired",
+    ),
+    (
+        {"type": "object", "properties": {"a": STR}, "dependentSchemas": {"a": {"required": ["b"]}}},
+        "dependentSchemas",
+        "#/dependentSchemas",
+    ),
+    (
+        {"type": "object", "properties": {"a": STR}, "unevaluatedProperties": False},
+        "unevaluatedProperties",
+        "#/unevaluatedProperties",
+    ),
     ({"type": "array", "prefixItems": [STR], "unevaluatedItems": False}, "unevaluatedItems", "#/unevaluatedItems"),
-    ({"type": "object", "properties": {"a": STR}, "required": ["b"], "additionalProperties": False},
-     "required", "#/required"),
+    (
+        {"type": "object", "properties": {"a": STR}, "required": ["b"], "additionalProperties": False},
+        "required",
+        "#/required",
+    ),
     # nested in $defs, items, anyOf, oneOf, definitions
     ({"$defs": {"x": {"not": STR}}, "$ref": "#/$defs/x"}, "not", "#/$defs/x/not"),
     ({"type": "array", "items": {"type": "object", "minProperties": 1}}, "minProperties", "#/items/minProperties"),
@@ -689,26 +795,78 @@ def test_unsupported_schema_keywords_are_refused_with_their_path(schema, keyword
 
 
 SUPPORTED_SCHEMAS = [
-    ("Describe a person with a nested address.",
-     _obj({"name": S, "address": _obj({"city": S, "zip": {"type": "string", "pattern": "[0-9]{5}"}})})),
-    ("List two colors.", _obj({"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
-                                          "minItems": 2, "maxItems": 2, "uniqueItems": False}})),
-    ("Give a point.", {"$defs": {"n": {"type": "integer", "minimum": -5, "maximum": 5}},
-                       **_obj({"x": {"$ref": "#/$defs/n"}, "y": {"$ref": "#/$defs/n"}})}),
-    ("Give an id or nothing.", _obj({"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99},
-                                                      {"type": "null"}]}})),
-    ("A value.", _obj({"v": {"oneOf": [{"const": "none"}, {"type": "boolean"}]}, "w": {"type": ["integer", "null"],
-                                                                                       "maximum": 9, "minimum": 0}})),
-    ("When and where?", _obj({"day": {"type": "string", "format": "date"}, "ip": {"type": "string", "format": "ipv4"},
-                              "id": {"type": "string", "format": "uuid"},
-                              "at": {"type": "string", "format": "date-time"}})),
-    ("A ratio.", _obj({"r": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
-                       "k": {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 30},
-                       "s": {"type": "string", "minLength": 2, "maxLength": 8}})),
+    (
+        "Describe a person with a nested address.",
+        _obj({"name": S, "address": _obj({"city": S, "zip": {"type": "string", "pattern": "[0-9]{5}"}})}),
+    ),
+    (
+        "List two colors.",
+        _obj(
+            {
+                "colors": {
+                    "type": "array",
+                    "items": {"enum": ["red", "green", "blue"]},
+                    "minItems": 2,
+                    "maxItems": 2,
+                    "uniqueItems": False,
+                }
+            }
+        ),
+    ),
+    (
+        "Give a point.",
+        {
+            "$defs": {"n": {"type": "integer", "minimum": -5, "maximum": 5}},
+            **_obj({"x": {"$ref": "#/$defs/n"}, "y": {"$ref": "#/$defs/n"}}),
+        },
+    ),
+    (
+        "Give an id or nothing.",
+        _obj({"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "null"}]}}),
+    ),
+    (
+        "A value.",
+        _obj(
+            {
+                "v": {"oneOf": [{"const": "none"}, {"type": "boolean"}]},
+                "w": {"type": ["integer", "null"], "maximum": 9, "minimum": 0},
+            }
+        ),
+    ),
+    (
+        "When and where?",
+        _obj(
+            {
+                "day": {"type": "string", "format": "date"},
+                "ip": {"type": "string", "format": "ipv4"},
+                "id": {"type": "string", "format": "uuid"},
+                "at": {"type": "string", "format": "date-time"},
+            }
+        ),
+    ),
+    (
+        "A ratio.",
+        _obj(
+            {
+                "r": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                "k": {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 30},
+                "s": {"type": "string", "minLength": 2, "maxLength": 8},
+            }
+        ),
+    ),
     ("A name.", {"allOf": [_obj({"name": S})]}),
-    ("A titled thing.", {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "urn:x", "title": "T",
-                         "description": "d", "examples": [{"a": 1}], "default": {"a": 1},
-                         **_obj({"a": {"type": "integer", "minimum": 0, "maximum": 9, "title": "A"}})}),
+    (
+        "A titled thing.",
+        {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "$id": "urn:x",
+            "title": "T",
+            "description": "d",
+            "examples": [{"a": 1}],
+            "default": {"a": 1},
+            **_obj({"a": {"type": "integer", "minimum": 0, "maximum": 9, "title": "A"}}),
+        },
+    ),
 ]
 
 
@@ -727,10 +885,14 @@ def test_supported_schema_features_still_generate_valid_output(engine):
 
 @requires_model
 def test_unsupported_schema_is_an_http_400_naming_keyword_and_path(url):
-    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": STR, "uniqueItems": True}},
-              "required": ["tags"]}
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": STR, "uniqueItems": True}},
+        "required": ["tags"],
+    }
     for _ in range(2):  # the second from the failure cache
-        r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"json_schema": json.dumps(schema)}},
-                       timeout=60)
+        r = httpx.post(
+            url + "/generate", json={"text": "x", "sampling_params": {"json_schema": json.dumps(schema)}}, timeout=60
+        )
         assert r.status_code == 400, r.text
         assert "'uniqueItems'" in r.json()["message"] and "#/properties/tags" in r.json()["message"]

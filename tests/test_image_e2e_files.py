@@ -134,8 +134,11 @@ def test_demo_model_wheel_version_is_the_one_the_tests_use():
 
 def test_cpu_image_installs_the_constrained_cpu_torch_and_the_project_without_dev_extras():
     runs = [a for st in parse_dockerfile(ROOT / "Dockerfile") for a in args_of(st, "RUN")]
-    pin = next(line.strip() for line in (ROOT / "constraints.txt").read_text().splitlines()
-               if line.strip().startswith("torch=="))
+    pin = next(
+        line.strip()
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line.strip().startswith("torch==")
+    )
     torch_runs = [r for r in runs if re.search(r"\btorch==", r)]
     assert torch_runs and all(pin in r for r in torch_runs), (pin, torch_runs)
     pip_installs = [r for r in runs if "pip install" in r and "--no-deps" not in r]
@@ -198,11 +201,21 @@ def test_dockerignore_matcher_follows_dockers_rules():
     assert not dockerignored("models/x", ["build"]) and dockerignored("build/lib/a.py", ["build"])
 
 
-@pytest.mark.parametrize("path", [
-    ".venv/bin/python", "models/smollm2-135m-instruct/model.safetensors", ".tools/bin/helm", ".git/HEAD",
-    ".pytest_cache/v/x", ".hypothesis/examples/x", "engine/__pycache__/engine.cpython-311.pyc",
-    "radixserve.egg-info/PKG-INFO", "tests/test_engine.py", "build/lib/src/radixserve/launch/cli.py",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".venv/bin/python",
+        "models/smollm2-135m-instruct/model.safetensors",
+        ".tools/bin/helm",
+        ".git/HEAD",
+        ".pytest_cache/v/x",
+        ".hypothesis/examples/x",
+        "engine/__pycache__/engine.cpython-311.pyc",
+        "radixserve.egg-info/PKG-INFO",
+        "tests/test_engine.py",
+        "build/lib/src/radixserve/launch/cli.py",
+    ],
+)
 def test_dockerignore_keeps_local_state_out_of_the_build_context(path):
     assert dockerignored(path, dockerignore_patterns()), path
 
@@ -236,9 +249,22 @@ def test_pip_install_dot_ships_engine_router_and_operator(tmp_path):
         shutil.copy(ROOT / item, src / item)
     shutil.copytree(ROOT / "src", src / "src", ignore=ignore)
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "w"),
-         str(src)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "w"),
+            str(src),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = (tmp_path / "w").glob("radixserve-*.whl")
@@ -303,14 +329,27 @@ def test_chart_renders_with_the_scripts_helm_flags():
     subst = {'"$IMAGE_REPOSITORY"': constants.IMAGE_REPOSITORY, '"$VERSION"': version}
     args = [a for k, v in sets for a in ("--set", f"{k}={subst.get(v, v)}")]
     assert len(args) == 6, line
-    out = subprocess.run([str(helm), "template", "radixserve", str(ROOT / script_default("CHART")),
-                          "--namespace", "radixserve-system", *args],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            str(helm),
+            "template",
+            "radixserve",
+            str(ROOT / script_default("CHART")),
+            "--namespace",
+            "radixserve-system",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     deployments = [d for d in yaml.safe_load_all(out.stdout) if d and d.get("kind") == "Deployment"]
     containers = [c for d in deployments for c in d["spec"]["template"]["spec"]["containers"]]
-    assert any(c["image"] == f"{constants.IMAGE_REPOSITORY}:{version}" and c.get("imagePullPolicy") == "Never"
-               for c in containers), containers
+    assert any(
+        c["image"] == f"{constants.IMAGE_REPOSITORY}:{version}" and c.get("imagePullPolicy") == "Never"
+        for c in containers
+    ), containers
 
 
 STUB = r'''#!{python}
@@ -374,9 +413,13 @@ def run_kind_sh(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess
     sample_path = ROOT / script_default("SAMPLE")
     isvc = spec.InferenceService.model_validate(yaml.safe_load(sample_path.read_text()))
     full_env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "STUB_LOG": str(log),
-        "STUB_SAMPLE": str(sample_path), "STUB_MODEL": isvc.spec.served_model_name(isvc.metadata.name),
-        "PYTHON": "/nonexistent", **env,
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "STUB_LOG": str(log),
+        "STUB_SAMPLE": str(sample_path),
+        "STUB_MODEL": isvc.spec.served_model_name(isvc.metadata.name),
+        "PYTHON": "/nonexistent",
+        **env,
     }
     proc = subprocess.run(["bash", str(KIND_SH)], capture_output=True, text=True, env=full_env, timeout=120)
     calls = [json.loads(line) for line in log.read_text().splitlines()]
@@ -435,8 +478,13 @@ def test_kind_script_names_missing_tools(tmp_path):
     (bin_dir / "docker").write_text("#!/bin/sh\nexit 0\n")
     (bin_dir / "docker").chmod(0o755)
     (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
-    proc = subprocess.run([shutil.which("bash"), str(KIND_SH)], capture_output=True, text=True,
-                          env={"PATH": str(bin_dir), "HOME": str(tmp_path)}, timeout=60)
+    proc = subprocess.run(
+        [shutil.which("bash"), str(KIND_SH)],
+        capture_output=True,
+        text=True,
+        env={"PATH": str(bin_dir), "HOME": str(tmp_path)},
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "missing tools: kind kubectl helm curl" in proc.stderr, proc.stderr
 

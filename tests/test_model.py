@@ -78,11 +78,17 @@ def test_greedy_matches_hf_generate(runner, tokenizer):
     prompt = enc["input_ids"][0].tolist()
     hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
     with torch.inference_mode():
-        ref = hf.generate(enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=False,
-                          max_new_tokens=64)[0, len(prompt):].tolist()
+        ref = hf.generate(enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=False, max_new_tokens=64)[
+            0, len(prompt) :
+        ].tolist()
     assert len(ref) >= 64, "the reference stopped early; choose a prompt with a longer answer"
-    ours = _greedy(runner, prompt, len(ref), _scattered_slots(len(prompt) + len(ref), seed=1),
-                   set(runner.model_config.eos_token_ids))
+    ours = _greedy(
+        runner,
+        prompt,
+        len(ref),
+        _scattered_slots(len(prompt) + len(ref), seed=1),
+        set(runner.model_config.eos_token_ids),
+    )
     assert ours == ref
 
 
@@ -138,8 +144,9 @@ def test_batched_decode_matches_individual(runner):
         slots.append(s)
     next_tok = [[int(t)] for t in torch.randint(100, 40000, (4,))]
     batched = runner.forward(ForwardBatch.build(ForwardMode.DECODE, next_tok, slots))
-    alone = torch.cat([runner.forward(ForwardBatch.build(ForwardMode.DECODE, [t], [s]))
-                       for t, s in zip(next_tok, slots)])
+    alone = torch.cat(
+        [runner.forward(ForwardBatch.build(ForwardMode.DECODE, [t], [s])) for t, s in zip(next_tok, slots)]
+    )
     assert batched.shape == (4, runner.model_config.vocab_size) and batched.dtype == torch.float32
     torch.testing.assert_close(batched, alone, atol=2e-4, rtol=1e-4)
     # and equals the last row of a fresh full prefill of the same sequence
@@ -170,20 +177,42 @@ def test_gguf_loads_same_as_safetensors(runner):
 
 # --- tiny random checkpoints of each supported architecture, compared with transformers' own model --------------
 
+
 def _tiny_configs():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    common = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    )
     return {
-        "llama-llama3-rope": LlamaConfig(**common, tie_word_embeddings=False, rope_scaling={
-            "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}, rope_theta=50000.0),
-        "qwen2-bias-yarn": Qwen2Config(**common, tie_word_embeddings=True, rope_scaling={
-            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        "llama-llama3-rope": LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=50000.0,
+        ),
+        "qwen2-bias-yarn": Qwen2Config(
+            **common,
+            tie_word_embeddings=True,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        ),
         "mistral": MistralConfig(**common, tie_word_embeddings=False, sliding_window=None),
-        "qwen3-qknorm-linear": Qwen3Config(**common, head_dim=16, tie_word_embeddings=True,
-                                           rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        "qwen3-qknorm-linear": Qwen3Config(
+            **common, head_dim=16, tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0}
+        ),
     }
 
 
@@ -219,8 +248,9 @@ def test_rope_frequencies_match_transformers(name):
 
     hf_cfg = _tiny_configs()[name]
     cfg = ModelConfig.from_hf_config(hf_cfg)
-    inv, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.context_length,
-                               cfg.max_position_embeddings)
+    inv, scale = rope_inv_freq(
+        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.context_length, cfg.max_position_embeddings
+    )
     ref_inv, ref_scale = ROPE_INIT_FUNCTIONS[cfg.rope_type](hf_cfg, "cpu")
     torch.testing.assert_close(inv, ref_inv.float())
     assert scale == pytest.approx(ref_scale)
@@ -239,8 +269,12 @@ def test_config_reads_rope_and_generation_eos(tmp_path):
 
     cfg = _tiny_configs()["mistral"].to_dict()
     cfg.pop("rope_parameters", None)
-    cfg.update(architectures=["MistralForCausalLM"], eos_token_id=2, rope_theta=123.0,
-               rope_scaling={"type": "linear", "factor": 3.0})
+    cfg.update(
+        architectures=["MistralForCausalLM"],
+        eos_token_id=2,
+        rope_theta=123.0,
+        rope_scaling={"type": "linear", "factor": 3.0},
+    )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 77]}))
     mc = ModelConfig.from_pretrained(str(tmp_path), context_length=1000)

@@ -41,13 +41,39 @@ FAST = RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.02, handler_dela
 # --- quantities ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, value", [
-    ("1n", "1e-9"), ("1u", "1e-6"), ("1m", "0.001"), ("1", "1"), ("1k", "1000"), ("1M", "1e6"), ("1G", "1e9"),
-    ("1T", "1e12"), ("1P", "1e15"), ("1E", "1e18"),
-    ("1Ki", 2 ** 10), ("1Mi", 2 ** 20), ("1Gi", 2 ** 30), ("1Ti", 2 ** 40), ("1Pi", 2 ** 50), ("1Ei", 2 ** 60),
-    ("1e3", "1000"), ("1E3", "1000"), ("2e-3", "0.002"), ("1.5", "1.5"), ("0.5Gi", 2 ** 29), ("500m", "0.5"),
-    (".5", "0.5"), ("+2", "2"), ("-1", "-1"), ("1.5E", "1.5e18"), (3, "3"), (0.25, "0.25"),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1n", "1e-9"),
+        ("1u", "1e-6"),
+        ("1m", "0.001"),
+        ("1", "1"),
+        ("1k", "1000"),
+        ("1M", "1e6"),
+        ("1G", "1e9"),
+        ("1T", "1e12"),
+        ("1P", "1e15"),
+        ("1E", "1e18"),
+        ("1Ki", 2**10),
+        ("1Mi", 2**20),
+        ("1Gi", 2**30),
+        ("1Ti", 2**40),
+        ("1Pi", 2**50),
+        ("1Ei", 2**60),
+        ("1e3", "1000"),
+        ("1E3", "1000"),
+        ("2e-3", "0.002"),
+        ("1.5", "1.5"),
+        ("0.5Gi", 2**29),
+        ("500m", "0.5"),
+        (".5", "0.5"),
+        ("+2", "2"),
+        ("-1", "-1"),
+        ("1.5E", "1.5e18"),
+        (3, "3"),
+        (0.25, "0.25"),
+    ],
+)
 def test_quantity_parses_every_suffix_and_exponent(text, value):
     assert quantity(text) == Decimal(value)
 
@@ -77,16 +103,24 @@ def test_empty_values_equal_absent_fields_but_zero_does_not():
 
 
 def _isvc(**spec: Any) -> InferenceService:
-    return InferenceService.model_validate({
-        "metadata": {"name": "demo", "namespace": NS, "uid": OWNER_UID, "generation": 1},
-        "spec": {"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"}, **spec}})
+    return InferenceService.model_validate(
+        {
+            "metadata": {"name": "demo", "namespace": NS, "uid": OWNER_UID, "generation": 1},
+            "spec": {"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"}, **spec},
+        }
+    )
 
 
 ZERO_VALUE_PLACEMENT = {
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "", "effect": "NoSchedule"}],
-    "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [],
-                                  "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                                      {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}},
+    "affinity": {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [],
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]
+            },
+        }
+    },
 }
 
 
@@ -102,8 +136,11 @@ def test_children_as_a_real_server_returns_them_are_not_drift():
 
 
 def test_a_real_change_next_to_omitted_zero_values_is_still_patched():
-    child = next(c for c in render_children(_isvc(placement=ZERO_VALUE_PLACEMENT), RenderOptions("radixserve:test"))
-                 if c["kind"] == "Deployment")
+    child = next(
+        c
+        for c in render_children(_isvc(placement=ZERO_VALUE_PLACEMENT), RenderOptions("radixserve:test"))
+        if c["kind"] == "Deployment"
+    )
     live = strip_empty(copy.deepcopy(child))
     live["spec"]["replicas"] = 0  # scaled to zero by hand: 0 is kept by the server and differs from 1
     assert merge_patch_for(child, live)["spec"] == {"replicas": 1}
@@ -116,8 +153,11 @@ POOL_TOLERATION = {"key": "pool", "operator": "Equal", "value": "ml", "effect": 
 
 
 def _engine(**placement: Any) -> dict[str, Any]:
-    return next(c for c in render_children(_isvc(placement=placement), RenderOptions("radixserve:test"))
-                if c["kind"] == "Deployment")
+    return next(
+        c
+        for c in render_children(_isvc(placement=placement), RenderOptions("radixserve:test"))
+        if c["kind"] == "Deployment"
+    )
 
 
 def test_list_elements_admission_adds_are_not_drift():
@@ -126,8 +166,11 @@ def test_list_elements_admission_adds_are_not_drift():
     desired = _engine(tolerations=[GPU_TOLERATION])
     live = _as_live(desired)
     pod = live["spec"]["template"]["spec"]
-    pod["tolerations"] = [POOL_TOLERATION, GPU_TOLERATION, {"key": "node.kubernetes.io/not-ready",
-                                                           "operator": "Exists", "tolerationSeconds": 300}]
+    pod["tolerations"] = [
+        POOL_TOLERATION,
+        GPU_TOLERATION,
+        {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "tolerationSeconds": 300},
+    ]
     pod["imagePullSecrets"] = [{"name": "registry-mirror"}]
     pod["containers"][0].setdefault("env", []).append({"name": "INJECTED", "value": "1"})
     assert merge_patch_for(desired, live) == {}
@@ -152,19 +195,34 @@ def test_an_element_the_user_removed_from_the_spec_is_removed_from_the_live_list
 
 
 def _desired(name: str = "demo-config", **data: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": name, "namespace": NS, "labels": {constants.LABEL_INFERENCE_SERVICE: "demo"},
-                         "ownerReferences": [{"apiVersion": "radixserve.io/v1alpha1", "kind": "InferenceService",
-                                              "name": "demo", "uid": OWNER_UID, "controller": True,
-                                              "blockOwnerDeletion": True}]},
-            "data": data or {"config.json": "{}"}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {constants.LABEL_INFERENCE_SERVICE: "demo"},
+            "ownerReferences": [
+                {
+                    "apiVersion": "radixserve.io/v1alpha1",
+                    "kind": "InferenceService",
+                    "name": "demo",
+                    "uid": OWNER_UID,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "data": data or {"config.json": "{}"},
+    }
 
 
 def _as_live(obj: dict[str, Any]) -> dict[str, Any]:
     """``obj`` as stored by an earlier apply."""
     live = copy.deepcopy(obj)
-    live["metadata"].update(uid="x", resourceVersion="3",
-                            annotations={LAST_APPLIED_ANNOTATION: last_applied_record(obj)})
+    live["metadata"].update(
+        uid="x", resourceVersion="3", annotations={LAST_APPLIED_ANNOTATION: last_applied_record(obj)}
+    )
     return live
 
 
@@ -176,7 +234,11 @@ def test_plan_creates_patches_keeps_and_deletes_only_what_it_owns():
     live = [_as_live(kept), _as_live(_desired("changed", a="0")), stale, foreign]
     changes = plan(CONFIGMAPS, [kept, changed, _desired("new")], live, OWNER_UID)
     assert [(c.action, c.name) for c in changes] == [
-        ("unchanged", "kept"), ("patch", "changed"), ("create", "new"), ("delete", "stale")]
+        ("unchanged", "kept"),
+        ("patch", "changed"),
+        ("create", "new"),
+        ("delete", "stale"),
+    ]
 
 
 def test_plan_refuses_a_desired_name_taken_by_an_object_it_does_not_control():
@@ -233,8 +295,10 @@ async def test_omit_empty_emulator_serialises_builtin_objects_as_a_real_server(k
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("status, reason, condition_reason", [
-    (422, "Invalid", "ApplyRejected"), (403, "Forbidden", "Forbidden"), (400, "BadRequest", "ApplyRejected")])
+@pytest.mark.parametrize(
+    "status, reason, condition_reason",
+    [(422, "Invalid", "ApplyRejected"), (403, "Forbidden", "Forbidden"), (400, "BadRequest", "ApplyRejected")],
+)
 async def test_a_refused_write_raises_apply_rejected_at_once(k8s, status, reason, condition_reason):  # noqa: F811
     emulator, client = k8s
     api = KubeApi(client, FAST)
@@ -253,8 +317,12 @@ async def test_a_create_meeting_a_foreign_object_is_a_conflict_and_leaves_it_alo
     create answer 409 and the operator retried forever."""
     emulator, client = k8s
     api = KubeApi(client, FAST)
-    mine = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "demo-config", "namespace": NS},
-            "data": {"user": "data"}}
+    mine = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "demo-config", "namespace": NS},
+        "data": {"user": "data"},
+    }
     await _in_thread(api.create, CONFIGMAPS, NS, mine)
     for dry_run in (True, False):
         with pytest.raises(ApplyRejected) as info:

@@ -21,25 +21,38 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_help_lists_the_flags():
-    out = subprocess.run([sys.executable, "-m", "radixserve", "operator", "--help"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve", "operator", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert out.returncode == 0, out.stderr
-    for flag in ("--namespace", "--all-namespaces", "--image", "--image-pull-policy", "--resync-seconds",
-                 "--metrics-port", "--log-level", "/healthz", "/metrics"):
+    for flag in (
+        "--namespace",
+        "--all-namespaces",
+        "--image",
+        "--image-pull-policy",
+        "--resync-seconds",
+        "--metrics-port",
+        "--log-level",
+        "/healthz",
+        "/metrics",
+    ):
         assert flag in out.stdout, flag
     assert f"{constants.IMAGE_REPOSITORY}:" in out.stdout and str(constants.OPERATOR_METRICS_PORT) in out.stdout
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([], "one of the arguments --namespace/-n --all-namespaces/-A is required"),
-    (["--all-namespaces", "--namespace", "ml"], "not allowed with argument"),
-    (["--all-namespaces", "--image-pull-policy", "Sometimes"], "invalid choice: 'Sometimes'"),
-    (["--all-namespaces", "--resync-seconds", "soon"], "invalid float value"),
-    (["--all-namespaces", "--resync-seconds", "0"], "--resync-seconds must be > 0"),
-    (["--all-namespaces", "--metrics-port", "70000"], "--metrics-port must be 0..65535"),
-    (["--all-namespaces", "--log-level", "loud"], "invalid choice: 'loud'"),
-    (["--all-namespaces", "--bogus"], "unrecognized arguments: --bogus"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "one of the arguments --namespace/-n --all-namespaces/-A is required"),
+        (["--all-namespaces", "--namespace", "ml"], "not allowed with argument"),
+        (["--all-namespaces", "--image-pull-policy", "Sometimes"], "invalid choice: 'Sometimes'"),
+        (["--all-namespaces", "--resync-seconds", "soon"], "invalid float value"),
+        (["--all-namespaces", "--resync-seconds", "0"], "--resync-seconds must be > 0"),
+        (["--all-namespaces", "--metrics-port", "70000"], "--metrics-port must be 0..65535"),
+        (["--all-namespaces", "--log-level", "loud"], "invalid choice: 'loud'"),
+        (["--all-namespaces", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exc_info:
         code = main(["operator", *argv])
@@ -49,8 +62,11 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
 
 
 def _env_without_credentials(kubeconfig: str | None, home: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST",
-                                                              "KUBERNETES_SERVICE_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
+    }
     env["HOME"] = home
     if kubeconfig is not None:
         env["KUBECONFIG"] = kubeconfig
@@ -68,8 +84,14 @@ def test_no_usable_kubeconfig_is_one_line_and_exit_2(case, tmp_path):
         with open(path, "w") as f:
             f.write("%%% this is: [not a kubeconfig\n")
         env = _env_without_credentials(path, str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "radixserve", "operator", "-A", "--metrics-port", "0"],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve", "operator", "-A", "--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
@@ -91,21 +113,39 @@ async def test_process_reconciles_against_the_emulator_and_stops_on_sigterm(k8s)
     port = free_port()
     # The k8s fixture points KUBECONFIG at the emulator; the child inherits it (no in-cluster variables).
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "radixserve", "operator", "--namespace", "ml", "--image", "radixserve:cli",
-        "--metrics-port", str(port), "--resync-seconds", "2", cwd=ROOT, env=dict(os.environ),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "radixserve",
+        "operator",
+        "--namespace",
+        "ml",
+        "--image",
+        "radixserve:cli",
+        "--metrics-port",
+        str(port),
+        "--resync-seconds",
+        "2",
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+
             async def healthy() -> bool:
                 try:
                     return (await client.get("/healthz")).status_code == 200
                 except httpx.TransportError:
                     return False
+
             await until(healthy, timeout=60, what="operator /healthz 200")
             await h.create(isvc_path(), isvc_body("cli"))
-            dep = await until(lambda: h.get(child_path("apps/v1", "deployments",
-                                                       constants.engine_deployment_name("cli"))),
-                              timeout=30, what="engine Deployment")
+            dep = await until(
+                lambda: h.get(child_path("apps/v1", "deployments", constants.engine_deployment_name("cli"))),
+                timeout=30,
+                what="engine Deployment",
+            )
             assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "radixserve:cli"
             await until(lambda: h.condition("cli", "Ready"), timeout=30, what="status conditions")
             metrics = (await client.get("/metrics")).text

@@ -350,8 +350,11 @@ INVALID = [
     ("spec.engine.replica", "spec.engine.replica", 3),  # a typo: pruned by the API server, refused by the model
     # From a fresh-user review: values the real API server refuses when the operator applies the child (a 422 that
     # left a half-applied InferenceService) or that end up on a command line.
-    ("spec.placement.tolerations[0].value", "spec.placement.tolerations",
-     [{"key": "gpu", "operator": "Exists", "value": "x"}]),
+    (
+        "spec.placement.tolerations[0].value",
+        "spec.placement.tolerations",
+        [{"key": "gpu", "operator": "Exists", "value": "x"}],
+    ),
     ("spec.placement.nodeSelector.zone", "spec.placement.nodeSelector", {"zone": "a b"}),
     ("spec.model.hfTokenSecret", "spec.model.hfTokenSecret", "HF_Token"),
     ("spec.placement.priorityClassName", "spec.placement.priorityClassName", "Inference_High"),
@@ -372,16 +375,24 @@ OPERATOR_ONLY_INVALID = [
     # affinity is free-form in the CRD: a real server drops a typo with a warning (pods schedule anywhere, and the
     # operator re-patched the missing field every resync); the operator checks it against the client's models.
     ("affinity", "spec.placement.affinity", {"nodeAfinity": {}}, "unknown field 'nodeAfinity'"),
-    ("affinity", "spec.placement.affinity",
-     {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExcution": {"nodeSelectorTerms": []}}},
-     "unknown field 'requiredDuringSchedulingIgnoredDuringExcution'"),
-    ("affinity", "spec.placement.affinity",
-     {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": "high"}]}}, "expected int"),
+    (
+        "affinity",
+        "spec.placement.affinity",
+        {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExcution": {"nodeSelectorTerms": []}}},
+        "unknown field 'requiredDuringSchedulingIgnoredDuringExcution'",
+    ),
+    (
+        "affinity",
+        "spec.placement.affinity",
+        {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": "high"}]}},
+        "expected int",
+    ),
 ]
 
 
-@pytest.mark.parametrize("field,path,value,words", OPERATOR_ONLY_INVALID,
-                         ids=[f"{c[1]}={c[2]!r}" for c in OPERATOR_ONLY_INVALID])
+@pytest.mark.parametrize(
+    "field,path,value,words", OPERATOR_ONLY_INVALID, ids=[f"{c[1]}={c[2]!r}" for c in OPERATOR_ONLY_INVALID]
+)
 def test_operator_refuses_with_words_what_the_crd_cannot_check(field, path, value, words):
     obj = _set(_demo(), path, copy.deepcopy(value))
     with pytest.raises(pydantic.ValidationError) as exc:

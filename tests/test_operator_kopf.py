@@ -46,8 +46,14 @@ CONFIG = child_path("v1", "configmaps", f"{NAME}-config")
 PDB = child_path("policy/v1", "poddisruptionbudgets", ENGINE)
 HPA = child_path("autoscaling/v2", "horizontalpodautoscalers", NAME)
 EXPECTED_CHILDREN = {
-    ("ConfigMap", f"{NAME}-config"), ("ServiceAccount", ROUTER), ("Role", ROUTER), ("RoleBinding", ROUTER),
-    ("Service", ENGINE), ("Service", NAME), ("Deployment", ENGINE), ("Deployment", ROUTER),
+    ("ConfigMap", f"{NAME}-config"),
+    ("ServiceAccount", ROUTER),
+    ("Role", ROUTER),
+    ("RoleBinding", ROUTER),
+    ("Service", ENGINE),
+    ("Service", NAME),
+    ("Deployment", ENGINE),
+    ("Deployment", ROUTER),
     ("PodDisruptionBudget", ENGINE),
 }
 
@@ -89,10 +95,12 @@ async def _with_status(h: OperatorHarness, name: str) -> dict[str, Any] | None:
 
 async def settled(h: OperatorHarness, quiet_s: float = 1.0) -> None:
     """Wait until the request log has had no writes for ``quiet_s`` (watches and reads do not count)."""
+
     async def quiet() -> bool:
         before = len([r for r in h.requests() if r.method != "GET"])
         await asyncio.sleep(quiet_s)
         return len([r for r in h.requests() if r.method != "GET"]) == before
+
     await until(quiet, timeout=30, what="no more writes")
 
 
@@ -110,8 +118,16 @@ async def test_create_makes_every_child_with_owner_refs_labels_status_events_and
     assert set(kids) == EXPECTED_CHILDREN
     for (kind, name), obj in kids.items():
         refs = obj["metadata"]["ownerReferences"]
-        assert refs == [{"apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}", "kind": constants.CRD_KIND,
-                         "name": NAME, "uid": uid, "controller": True, "blockOwnerDeletion": True}], (kind, name)
+        assert refs == [
+            {
+                "apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}",
+                "kind": constants.CRD_KIND,
+                "name": NAME,
+                "uid": uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ], (kind, name)
         labels = obj["metadata"]["labels"]
         assert labels[constants.LABEL_INFERENCE_SERVICE] == NAME and labels[constants.LABEL_NAME] == "radixserve"
         assert labels[constants.LABEL_COMPONENT] in (constants.COMPONENT_ENGINE, constants.COMPONENT_ROUTER)
@@ -141,8 +157,15 @@ async def test_create_makes_every_child_with_owner_refs_labels_status_events_and
     # kopf keeps its state in annotations under radixserve.io, not in the structural status.
     annotations = isvc["metadata"].get("annotations") or {}
     assert all(k.startswith(constants.API_GROUP + "/") for k in annotations)
-    assert set(isvc["status"]) <= {"observedGeneration", "replicas", "readyReplicas", "selector", "url",
-                                   "modelName", "conditions"}
+    assert set(isvc["status"]) <= {
+        "observedGeneration",
+        "replicas",
+        "readyReplicas",
+        "selector",
+        "url",
+        "modelName",
+        "conditions",
+    }
 
     # One Normal "Created" Event per child, posted as each was created.
     created_events = [e for e in await h.events() if e["reason"] == "Created"]
@@ -232,11 +255,14 @@ async def test_deleted_and_hand_edited_children_are_repaired_from_their_watch_ev
     assert svc["metadata"]["ownerReferences"][0]["name"] == NAME
 
     # Hand-edit: another image, an extra label another controller might add (not drift), a changed label (drift).
-    await h.patch(ENGINE_DEP, [
-        {"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": "evil:latest"},
-        {"op": "add", "path": "/metadata/labels/team", "value": "ml"},
-        {"op": "replace", "path": "/metadata/labels/app.kubernetes.io~1component", "value": "tampered"},
-    ])
+    await h.patch(
+        ENGINE_DEP,
+        [
+            {"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": "evil:latest"},
+            {"op": "add", "path": "/metadata/labels/team", "value": "ml"},
+            {"op": "replace", "path": "/metadata/labels/app.kubernetes.io~1component", "value": "tampered"},
+        ],
+    )
     await until(lambda: _engine_image(h, "radixserve:test"), timeout=10, what="engine image repaired")
     dep = await h.get(ENGINE_DEP)
     assert dep["metadata"]["labels"][constants.LABEL_COMPONENT] == constants.COMPONENT_ENGINE
@@ -246,15 +272,19 @@ async def test_deleted_and_hand_edited_children_are_repaired_from_their_watch_ev
     assert h.metrics.reconciles.labels(kind="timer", result="success")._value.get() == 0
 
     # Server-side defaults and another writer's fields are not drift: a reconcile then writes nothing.
-    await h.patch(ENGINE_DEP, {"spec": {"revisionHistoryLimit": 10, "template": {"spec": {
-        "dnsPolicy": "ClusterFirst"}}}})
+    await h.patch(
+        ENGINE_DEP, {"spec": {"revisionHistoryLimit": 10, "template": {"spec": {"dnsPolicy": "ClusterFirst"}}}}
+    )
     await settled(h)
     mark = len(h.requests())
     await h.patch(isvc_path(NAME), {"metadata": {"labels": {"touch": "1"}}})  # an update that changes no child
     await until(lambda: h.metrics.reconciles.labels(kind="update", result="success")._value.get() == 1)
     await settled(h)
-    assert [r for r in h.requests(mark) if r.method in ("PATCH", "POST", "DELETE")
-            and r.resource.plural != constants.CRD_PLURAL] == []
+    assert [
+        r
+        for r in h.requests(mark)
+        if r.method in ("PATCH", "POST", "DELETE") and r.resource.plural != constants.CRD_PLURAL
+    ] == []
 
 
 async def test_resync_timer_repairs_what_no_watch_event_reported(harness):
@@ -266,8 +296,10 @@ async def test_resync_timer_repairs_what_no_watch_event_reported(harness):
     h.emu.objects[key].delete()
     assert await h.get(CONFIG) is None
     await until(lambda: h.get(CONFIG), timeout=15, what="ConfigMap recreated by the timer")
-    await until(lambda: h.metrics.reconciles.labels(kind="timer", result="success")._value.get() >= 1,
-                what="a timer reconcile counted")
+    await until(
+        lambda: h.metrics.reconciles.labels(kind="timer", result="success")._value.get() >= 1,
+        what="a timer reconcile counted",
+    )
     assert h.metrics.reconciles.labels(kind="child", result="success")._value.get() == 0
 
 
@@ -284,8 +316,12 @@ async def test_an_operator_restart_on_converged_objects_writes_nothing(harness):
     await h.start(resync_seconds=0.5)
     await asyncio.sleep(2.5)  # resume plus several timer ticks
     await settled(h)
-    real_writes = [r for m in ("POST", "PATCH", "DELETE") for r in writes(h.requests(mark), m, subresource=None)
-                   if r.resource.plural != "events"]
+    real_writes = [
+        r
+        for m in ("POST", "PATCH", "DELETE")
+        for r in writes(h.requests(mark), m, subresource=None)
+        if r.resource.plural != "events"
+    ]
     assert real_writes == [], [(r.method, r.resource.plural, r.name) for r in real_writes]
     assert len(await h.events()) == events_before
 
@@ -299,11 +335,20 @@ async def test_autoscaling_adds_and_removes_the_hpa_and_a_disabled_pdb_is_delete
     await created(h)
     assert await h.get(HPA) is None and await h.get(PDB) is not None
 
-    await h.patch(isvc_path(NAME), {"spec": {"autoscaling": {"minReplicas": 2, "maxReplicas": 5,
-                                                             "metric": "tokensInFlight", "targetPerPod": 4000}}})
+    await h.patch(
+        isvc_path(NAME),
+        {
+            "spec": {
+                "autoscaling": {"minReplicas": 2, "maxReplicas": 5, "metric": "tokensInFlight", "targetPerPod": 4000}
+            }
+        },
+    )
     hpa = await until(lambda: h.get(HPA), what="HPA created")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}",
-                                             "kind": constants.CRD_KIND, "name": NAME}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}",
+        "kind": constants.CRD_KIND,
+        "name": NAME,
+    }
     assert hpa["spec"]["minReplicas"] == 2 and hpa["spec"]["maxReplicas"] == 5
     assert hpa["metadata"]["ownerReferences"][0]["name"] == NAME
     await until(lambda: _replicas(h, 2), what="replicas from autoscaling.minReplicas")
@@ -316,7 +361,9 @@ async def test_autoscaling_adds_and_removes_the_hpa_and_a_disabled_pdb_is_delete
     await settled(h)
     deletes = writes(h.requests(mark), "DELETE")
     assert sorted((r.resource.plural, r.name) for r in deletes) == [
-        ("horizontalpodautoscalers", NAME), ("poddisruptionbudgets", ENGINE)]
+        ("horizontalpodautoscalers", NAME),
+        ("poddisruptionbudgets", ENGINE),
+    ]
     assert set(await children(h)) == EXPECTED_CHILDREN - {("PodDisruptionBudget", ENGINE)}
     # spec.replicas (defaulted, or last written by the HPA) stays: removing an HPA does not rescale, as in Kubernetes.
     assert (await h.get(ENGINE_DEP))["spec"]["replicas"] == 2
@@ -332,10 +379,12 @@ async def test_prune_leaves_labelled_objects_of_other_owners_alone(harness):
     await h.start()
     await created(h)
     # A PDB labelled as ours but owned by someone else (or nobody): not ours to delete.
-    stray = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-             "metadata": {"name": "hand-made", "namespace": NS,
-                          "labels": {constants.LABEL_INFERENCE_SERVICE: NAME}},
-             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"x": "y"}}}}
+    stray = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": "hand-made", "namespace": NS, "labels": {constants.LABEL_INFERENCE_SERVICE: NAME}},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"x": "y"}}},
+    }
     await h.create(child_path("policy/v1", "poddisruptionbudgets"), stray)
     await h.patch(isvc_path(NAME), {"spec": {"disruptionBudget": {"enabled": False}}})
     await until(lambda: _absent_all(h, PDB), what="own PDB deleted")
@@ -349,8 +398,10 @@ async def test_prune_leaves_labelled_objects_of_other_owners_alone(harness):
 async def test_invalid_spec_is_degraded_with_a_clear_message_and_nothing_is_applied(harness):
     h = harness
     await h.start()
-    bad = {"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"},
-           "autoscaling": {"minReplicas": 4, "maxReplicas": 2, "targetPerPod": 3}}
+    bad = {
+        "model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"},
+        "autoscaling": {"minReplicas": 4, "maxReplicas": 2, "targetPerPod": 3},
+    }
     isvc = await created(h, "bad", bad)
     await settled(h)
     degraded = next(c for c in isvc["status"]["conditions"] if c["type"] == "Degraded")
@@ -360,8 +411,11 @@ async def test_invalid_spec_is_degraded_with_a_clear_message_and_nothing_is_appl
     ready = next(c for c in isvc["status"]["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
     assert await children(h, "bad") == {}
-    assert [r for r in h.requests() if r.method == "POST" and r.resource.plural != "events"
-            and r.resource.plural != constants.CRD_PLURAL] == []
+    assert [
+        r
+        for r in h.requests()
+        if r.method == "POST" and r.resource.plural != "events" and r.resource.plural != constants.CRD_PLURAL
+    ] == []
     warning = next(e for e in await h.events() if e["reason"] == "InvalidSpec")
     assert warning["type"] == "Warning" and "maxReplicas" in warning["message"]
     assert h.metrics.reconciles.labels(kind="create", result="invalid_spec")._value.get() == 1
@@ -376,18 +430,23 @@ async def test_a_valid_service_made_invalid_keeps_its_children_untouched_until_f
     before = await children(h)
 
     mark = len(h.requests())
-    await h.patch(isvc_path(NAME), {"spec": {"model": {"storageUri": "s3://bucket/model"},
-                                             "engine": {"image": "radixserve:new"}}})
+    await h.patch(
+        isvc_path(NAME), {"spec": {"model": {"storageUri": "s3://bucket/model"}, "engine": {"image": "radixserve:new"}}}
+    )
     await until(lambda: _reason(h, NAME, "Degraded", "InvalidSpec"), what="InvalidSpec")
     message = (await h.condition(NAME, "Degraded"))["message"]
     assert message.startswith("spec.model.storageUri: ") and "s3://" in message
     assert message.endswith("(got 's3://bucket/model')")
     await settled(h)
-    assert [r for r in h.requests(mark) if r.method in ("POST", "PATCH", "DELETE")
-            and r.resource.plural not in (constants.CRD_PLURAL, "events")] == []
+    assert [
+        r
+        for r in h.requests(mark)
+        if r.method in ("POST", "PATCH", "DELETE") and r.resource.plural not in (constants.CRD_PLURAL, "events")
+    ] == []
     after = await children(h)
     assert {k: v["metadata"]["resourceVersion"] for k, v in after.items()} == {
-        k: v["metadata"]["resourceVersion"] for k, v in before.items()}
+        k: v["metadata"]["resourceVersion"] for k, v in before.items()
+    }
     assert (await h.isvc(NAME))["status"]["observedGeneration"] == 2
 
     # Fixed: applied again (the image change that came with the bad URI too), Degraded cleared.
@@ -412,21 +471,39 @@ async def test_status_follows_deployment_and_endpointslice_status_written_by_the
     await settled(h)
     for path in (ENGINE_DEP, ROUTER_DEP):
         dep = await h.get(path)
-        await h.patch(path + "/status", {"status": {
-            "observedGeneration": dep["metadata"]["generation"], "replicas": 1, "updatedReplicas": 1,
-            "readyReplicas": 1, "availableReplicas": 1}})
+        await h.patch(
+            path + "/status",
+            {
+                "status": {
+                    "observedGeneration": dep["metadata"]["generation"],
+                    "replicas": 1,
+                    "updatedReplicas": 1,
+                    "readyReplicas": 1,
+                    "availableReplicas": 1,
+                }
+            },
+        )
     await until(lambda: _reason(h, NAME, "Ready", "EndpointsNotReady"), timeout=10, what="EndpointsNotReady")
     # The slice becomes ready after the Deployments (the usual order on a real cluster). Regression: slices were
     # not watched, so Ready waited for the next resync (600 s here, 30 s by default). The EndpointSlice controller
     # copies the engine Service's labels onto its slices, as written here.
     engine_svc_labels = (await h.get(ENGINE_SVC))["metadata"]["labels"]
     slice_path = child_path("discovery.k8s.io/v1", "endpointslices", f"{ENGINE}-abcde")
-    await h.create(child_path("discovery.k8s.io/v1", "endpointslices"), {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-        "metadata": {"name": f"{ENGINE}-abcde", "namespace": NS,
-                     "labels": {**engine_svc_labels, constants.LABEL_SERVICE_NAME: ENGINE}},
-        "ports": [{"name": constants.HTTP_PORT_NAME, "port": constants.ENGINE_PORT}],
-        "endpoints": [{"addresses": ["10.0.0.7"], "conditions": {"ready": False}}]})
+    await h.create(
+        child_path("discovery.k8s.io/v1", "endpointslices"),
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "addressType": "IPv4",
+            "metadata": {
+                "name": f"{ENGINE}-abcde",
+                "namespace": NS,
+                "labels": {**engine_svc_labels, constants.LABEL_SERVICE_NAME: ENGINE},
+            },
+            "ports": [{"name": constants.HTTP_PORT_NAME, "port": constants.ENGINE_PORT}],
+            "endpoints": [{"addresses": ["10.0.0.7"], "conditions": {"ready": False}}],
+        },
+    )
     await settled(h, quiet_s=0.5)
     assert (await h.condition(NAME, "Ready"))["reason"] == "EndpointsNotReady"
     await h.patch(slice_path, {"endpoints": [{"addresses": ["10.0.0.7"], "conditions": {"ready": True}}]})
@@ -452,8 +529,9 @@ async def test_a_status_wiped_or_edited_by_someone_else_is_written_again(harness
     await h.patch(isvc_path(NAME, subresource="status"), {"status": None})
     assert "status" not in (await h.isvc(NAME))
     await until(lambda: _status_is(h, written), timeout=10, what="status written again after the wipe")
-    tampered = [{**c, "status": "True", "reason": "Ready"} if c["type"] == "Ready" else c
-                for c in written["conditions"]]
+    tampered = [
+        {**c, "status": "True", "reason": "Ready"} if c["type"] == "Ready" else c for c in written["conditions"]
+    ]
     await h.patch(isvc_path(NAME, subresource="status"), {"status": {"conditions": tampered, "url": "http://x"}})
     await until(lambda: _status_is(h, written), timeout=10, what="hand-edited status repaired")
     assert len(await h.events()) == events  # the transitions were not the operator's: no Event
@@ -490,10 +568,13 @@ def _counter(h: OperatorHarness, kind: str, **labels: str) -> float:
 def _child_writes(requests: list[Any], dry_run: bool | None = False) -> list[Any]:
     """The operator's writes to children (not to InferenceServices or Events, not the test's); real ones by
     default."""
-    return [r for method in ("POST", "PATCH", "DELETE") for r in writes(requests, method, subresource=None,
-                                                                         dry_run=dry_run)
-            if r.resource.plural not in (constants.CRD_PLURAL, "events")
-            and not any(k.lower() == "x-radixserve-test-client" for k in r.headers)]
+    return [
+        r
+        for method in ("POST", "PATCH", "DELETE")
+        for r in writes(requests, method, subresource=None, dry_run=dry_run)
+        if r.resource.plural not in (constants.CRD_PLURAL, "events")
+        and not any(k.lower() == "x-radixserve-test-client" for k in r.headers)
+    ]
 
 
 async def _warnings(h: OperatorHarness, reason: str) -> list[dict[str, Any]]:
@@ -504,10 +585,19 @@ async def test_a_users_own_object_of_a_child_name_is_a_conflict_nothing_is_appli
     """Regression: a user's Deployment NAME-engine (no ownerReference) existing before the InferenceService left no
     status, no Event, eight children created around it, and a TemporaryError retried forever."""
     h = harness
-    mine = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": ENGINE, "namespace": NS},
-            "spec": {"replicas": 5, "selector": {"matchLabels": {"app": "mine"}},
-                     "template": {"metadata": {"labels": {"app": "mine"}},
-                                  "spec": {"containers": [{"name": "c", "image": "mine:1"}]}}}}
+    mine = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": ENGINE, "namespace": NS},
+        "spec": {
+            "replicas": 5,
+            "selector": {"matchLabels": {"app": "mine"}},
+            "template": {
+                "metadata": {"labels": {"app": "mine"}},
+                "spec": {"containers": [{"name": "c", "image": "mine:1"}]},
+            },
+        },
+    }
     await h.create(child_path("apps/v1", "deployments"), mine)
     await h.start(resync_seconds=0.5)
     isvc = await created(h)
@@ -587,8 +677,11 @@ def quick_retries(monkeypatch):
     """The operator's KubeApi with few, short retries (the default spends ~3 s per failing write)."""
     from radixserve.operator.apply import KubeApi, RetryPolicy
 
-    monkeypatch.setattr(KubeApi.__init__, "__defaults__",
-                        (RetryPolicy(attempts=2, base_delay_s=0.05, max_delay_s=0.05, handler_delay_s=0.5),))
+    monkeypatch.setattr(
+        KubeApi.__init__,
+        "__defaults__",
+        (RetryPolicy(attempts=2, base_delay_s=0.05, max_delay_s=0.05, handler_delay_s=0.5),),
+    )
 
 
 async def test_a_persistent_server_error_on_writes_degrades_the_status_until_it_passes(harness, quick_retries):
@@ -598,8 +691,10 @@ async def test_a_persistent_server_error_on_writes_degrades_the_status_until_it_
     await h.start(resync_seconds=0.5)
     await created(h)
     await settled(h, quiet_s=0.7)
-    server_message = ('Internal error occurred: failed calling webhook "validate.kyverno.svc": Post '
-                      '"https://kyverno-svc.kyverno.svc:443/validate": dial tcp 10.96.0.9:443: connect: connection refused')
+    server_message = (
+        'Internal error occurred: failed calling webhook "validate.kyverno.svc": Post '
+        '"https://kyverno-svc.kyverno.svc:443/validate": dial tcp 10.96.0.9:443: connect: connection refused'
+    )
     h.emu.fail(500, "InternalError", server_message, method="PATCH", plural="deployments", dry_run=False)
     await h.patch(isvc_path(NAME), {"spec": {"router": {"policy": "least_load"}}})
     await until(lambda: _reason(h, NAME, "Degraded", "ApplyFailed"), what="Degraded ApplyFailed")
@@ -616,8 +711,14 @@ async def test_a_persistent_server_error_on_writes_degrades_the_status_until_it_
     assert len(await _warnings(h, "ApplyFailed")) == 1
 
     # The status write failing too (503) does not hide the apply's own error (counted as http_500, not 503).
-    h.emu.fail(503, "ServiceUnavailable", "apiserver overloaded", method="PATCH", plural=constants.CRD_PLURAL,
-               subresource="status")
+    h.emu.fail(
+        503,
+        "ServiceUnavailable",
+        "apiserver overloaded",
+        method="PATCH",
+        plural=constants.CRD_PLURAL,
+        subresource="status",
+    )
     errors = _counter(h, "timer", reason="http_500")
     await until(lambda: _counter(h, "timer", reason="http_500") >= errors + 2, what="two more failing resyncs")
     assert _counter(h, "timer", reason="http_503") == 0
@@ -632,8 +733,15 @@ async def test_created_events_are_posted_as_each_child_is_created_even_when_a_la
     """Regression: "Created" Events were posted after the whole loop, so a reconcile failing midway lost them. Here
     the router Deployment's real create is refused (403) after its dry run passed."""
     h = harness
-    h.emu.fail(403, "Forbidden", f'deployments.apps "{ROUTER}" is forbidden: exceeded quota', method="POST",
-               plural="deployments", name=ROUTER, dry_run=False)
+    h.emu.fail(
+        403,
+        "Forbidden",
+        f'deployments.apps "{ROUTER}" is forbidden: exceeded quota',
+        method="POST",
+        plural="deployments",
+        name=ROUTER,
+        dry_run=False,
+    )
     await h.start()
     await created(h)
     degraded = await h.condition(NAME, "Degraded")
@@ -668,8 +776,9 @@ async def test_zero_values_a_real_server_omits_are_not_patched_at_every_resync(h
     assert _child_writes(h.requests(mark), dry_run=None) == []
 
 
-async def test_list_elements_added_by_admission_are_not_patched_away_but_removed_spec_elements_are(harness,
-                                                                                                  monkeypatch):
+async def test_list_elements_added_by_admission_are_not_patched_away_but_removed_spec_elements_are(
+    harness, monkeypatch
+):
     """Regression (patch storm): a mutating admission policy appending a toleration to every Deployment made the
     engine Deployment's tolerations longer than desired, so every resync dry-ran and patched it (and admission added
     it back)."""
@@ -713,8 +822,13 @@ async def test_status_only_writes_of_children_do_not_reconcile_but_spec_and_labe
     """Regression: an HPA's controller rewriting its status (~every 15 s) caused a full reconcile each time."""
     h = harness
     await h.start()
-    await created(h, spec={"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"},
-                           "autoscaling": {"maxReplicas": 5, "targetPerPod": 4}})
+    await created(
+        h,
+        spec={
+            "model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"},
+            "autoscaling": {"maxReplicas": 5, "targetPerPod": 4},
+        },
+    )
     await until(lambda: h.get(HPA), what="HPA")
     await settled(h, quiet_s=0.7)
     child_reconciles = _counter(h, "child", result="success")
@@ -799,9 +913,22 @@ async def test_representative_api_calls_cover_every_kind_and_verb(k8s):  # noqa:
 
 
 def _dep(**pod_spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x", "labels": {"a": "1"}},
-            "spec": {"replicas": 2, "template": {"spec": {"containers": [
-                {"name": "c", "image": "i:1", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}], **pod_spec}}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x", "labels": {"a": "1"}},
+        "spec": {
+            "replicas": 2,
+            "template": {
+                "spec": {
+                    "containers": [
+                        {"name": "c", "image": "i:1", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}
+                    ],
+                    **pod_spec,
+                }
+            },
+        },
+    }
 
 
 def _live(desired: dict[str, Any]) -> dict[str, Any]:
@@ -811,12 +938,15 @@ def _live(desired: dict[str, Any]) -> dict[str, Any]:
     from radixserve.operator.apply import LAST_APPLIED_ANNOTATION, last_applied_record
 
     live = copy.deepcopy(desired)
-    live["metadata"].update(uid="u", resourceVersion="7", annotations={
-        LAST_APPLIED_ANNOTATION: last_applied_record(desired), "deployment.kubernetes.io/revision": "1"})
+    live["metadata"].update(
+        uid="u",
+        resourceVersion="7",
+        annotations={LAST_APPLIED_ANNOTATION: last_applied_record(desired), "deployment.kubernetes.io/revision": "1"},
+    )
     c = live["spec"]["template"]["spec"]["containers"][0]
     c.update(terminationMessagePath="/dev/termination-log", imagePullPolicy="IfNotPresent")
     c["resources"]["limits"]["cpu"] = "1000m"
-    c["resources"]["limits"]["memory"] = str(1024 ** 3)
+    c["resources"]["limits"]["memory"] = str(1024**3)
     live["spec"]["template"]["spec"]["dnsPolicy"] = "ClusterFirst"
     live["status"] = {"readyReplicas": 2}
     return live

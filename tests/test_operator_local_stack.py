@@ -67,8 +67,9 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-async def _http_ok(client: httpx.AsyncClient, url: str, proc: subprocess.Popen, log_path: str,
-                   timeout_s: float = 120) -> None:
+async def _http_ok(
+    client: httpx.AsyncClient, url: str, proc: subprocess.Popen, log_path: str, timeout_s: float = 120
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"process exited {proc.returncode}: {open(log_path).read()[-3000:]}"
@@ -83,15 +84,23 @@ async def _http_ok(client: httpx.AsyncClient, url: str, proc: subprocess.Popen, 
 
 def _endpoint_slice(service: dict[str, Any], port: int, pod: str) -> dict[str, Any]:
     """An EndpointSlice as the EndpointSlice controller writes it for ``service`` and one ready pod."""
-    labels = {**service["metadata"]["labels"], constants.LABEL_SERVICE_NAME: service["metadata"]["name"],
-              "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+    labels = {
+        **service["metadata"]["labels"],
+        constants.LABEL_SERVICE_NAME: service["metadata"]["name"],
+        "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+    }
     return {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
         "metadata": {"name": f"{service['metadata']['name']}-x7k2p", "namespace": NS, "labels": labels},
         "addressType": "IPv4",
-        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True, "serving": True,
-                                                                   "terminating": False},
-                       "targetRef": {"kind": "Pod", "name": pod, "namespace": NS}}],
+        "endpoints": [
+            {
+                "addresses": ["127.0.0.1"],
+                "conditions": {"ready": True, "serving": True, "terminating": False},
+                "targetRef": {"kind": "Pod", "name": pod, "namespace": NS},
+            }
+        ],
         "ports": [{"name": constants.HTTP_PORT_NAME, "port": port, "protocol": "TCP"}],
     }
 
@@ -99,13 +108,19 @@ def _endpoint_slice(service: dict[str, Any], port: int, pod: str) -> dict[str, A
 def _available(deployment: dict[str, Any]) -> dict[str, Any]:
     """The status the Deployment controller writes once every replica of the current generation is available."""
     n = deployment["spec"]["replicas"]
-    return {"status": {
-        "observedGeneration": deployment["metadata"].get("generation", 1), "replicas": n, "updatedReplicas": n,
-        "readyReplicas": n, "availableReplicas": n,
-        "conditions": [
-            {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"},
-            {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"},
-        ]}}
+    return {
+        "status": {
+            "observedGeneration": deployment["metadata"].get("generation", 1),
+            "replicas": n,
+            "updatedReplicas": n,
+            "readyReplicas": n,
+            "availableReplicas": n,
+            "conditions": [
+                {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"},
+                {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"},
+            ],
+        }
+    }
 
 
 async def test_rendered_engine_and_router_serve_openai_through_engine_service_discovery(k8s, tmp_path):  # noqa: F811
@@ -128,11 +143,14 @@ async def test_rendered_engine_and_router_serve_openai_through_engine_service_di
         engine_port, engine_log = free_port(), str(tmp_path / "engine.log")
         procs.append(_spawn(_as_local_process(_container(engine_dep), engine_port), engine_log))
         async with httpx.AsyncClient(timeout=10) as client:
-            await _http_ok(client, f"http://127.0.0.1:{engine_port}{constants.ENGINE_HEALTH_PATH}", procs[0],
-                           engine_log)
+            await _http_ok(
+                client, f"http://127.0.0.1:{engine_port}{constants.ENGINE_HEALTH_PATH}", procs[0], engine_log
+            )
             # EndpointSlice controller: the ready engine pod behind the engine Service.
-            await h.create(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices",
-                           _endpoint_slice(engine_svc, engine_port, pod=f"{engine_dep['metadata']['name']}-abc12"))
+            await h.create(
+                f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices",
+                _endpoint_slice(engine_svc, engine_port, pod=f"{engine_dep['metadata']['name']}-abc12"),
+            )
 
             # kubelet: the router pod, discovering engines through the emulated API server ($KUBECONFIG).
             router_port, router_log = free_port(), str(tmp_path / "router.log")
@@ -143,8 +161,10 @@ async def test_rendered_engine_and_router_serve_openai_through_engine_service_di
         # An application team's client, pointed at the router.
         oai = AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0, timeout=120)
         reply = await oai.chat.completions.with_raw_response.create(
-            model=constants.DEMO_MODEL_NAME, max_tokens=8,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
+            model=constants.DEMO_MODEL_NAME,
+            max_tokens=8,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
         assert reply.headers[constants.HEADER_WORKER] == f"http://127.0.0.1:{engine_port}"
         completion = reply.parse()
         assert completion.choices[0].message.content and completion.usage.completion_tokens > 0

@@ -20,8 +20,11 @@ REAL_CLUSTER_ONLY: dict[tuple[str, str, str], str] = {
     # Every child kind takes every apply/prune verb (operator/apply.py): a hand-edited child of any kind is
     # merge-patched, a create that meets a 409 re-reads with get, and prune deletes any labelled, owned child no
     # longer desired; the scenario only edits and deletes some kinds.
-    **{(verb, t.api_version.rpartition("/")[0], t.plural): "apply/prune path for every child kind"
-       for t in CHILD_TYPES for verb in ("get", "list", "watch", "create", "patch", "delete")},
+    **{
+        (verb, t.api_version.rpartition("/")[0], t.plural): "apply/prune path for every child kind"
+        for t in CHILD_TYPES
+        for verb in ("get", "list", "watch", "create", "patch", "delete")
+    },
     # blockOwnerDeletion on the children's ownerReferences: the OwnerReferencesPermissionEnforcement admission plugin
     # (on in OpenShift) checks update on the owner's finalizers.
     ("update", "radixserve.io", "inferenceservices/finalizers"): "OwnerReferencesPermissionEnforcement",

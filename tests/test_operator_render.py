@@ -38,31 +38,54 @@ OPTIONS = RenderOptions(image="registry.example/radixserve:0.5.0")
 SPECS: dict[str, dict[str, Any]] = {
     "demo": {"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"}},
     "hf-token": {
-        "model": {"storageUri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct@main", "hfTokenSecret": "hf-token",
-                  "contextLength": 4096},
+        "model": {
+            "storageUri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct@main",
+            "hfTokenSecret": "hf-token",
+            "contextLength": 4096,
+        },
         "engine": {"resources": {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "6Gi"}}},
     },
     "hf-no-revision": {"model": {"storageUri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}},
-    "pvc": {"model": {"storageUri": "pvc://models/llama/3b", "servedModelName": "llama-3b",
-                      "tokenizer": "/mnt/models/llama/tokenizer"}},
+    "pvc": {
+        "model": {
+            "storageUri": "pvc://models/llama/3b",
+            "servedModelName": "llama-3b",
+            "tokenizer": "/mnt/models/llama/tokenizer",
+        }
+    },
     "pvc-root": {"model": {"storageUri": "pvc://weights"}},
     "file": {"model": {"storageUri": "file:///opt/models/qwen"}, "engine": {"imagePullPolicy": "Always"}},
     "gpu-placement": {
         "model": {"storageUri": "pvc://models/qwen-7b"},
-        "engine": {"image": "registry.example/radixserve-gpu:0.5.0", "dtype": "bfloat16", "kvCacheTokens": 200000,
-                   "resources": {"requests": {"cpu": "4000m", "memory": "32Gi"},
-                                 "limits": {"nvidia.com/gpu": 1, "memory": "32Gi"}}},
+        "engine": {
+            "image": "registry.example/radixserve-gpu:0.5.0",
+            "dtype": "bfloat16",
+            "kvCacheTokens": 200000,
+            "resources": {
+                "requests": {"cpu": "4000m", "memory": "32Gi"},
+                "limits": {"nvidia.com/gpu": 1, "memory": "32Gi"},
+            },
+        },
         "replicas": 3,
         "placement": {
             "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-                            {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoExecute",
-                             "tolerationSeconds": 60}],
-            "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
-                "weight": 100,
-                "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                    "labelSelector": {"matchLabels": {constants.LABEL_INFERENCE_SERVICE: "x"}}},
-            }]}},
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoExecute", "tolerationSeconds": 60},
+            ],
+            "affinity": {
+                "podAntiAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 100,
+                            "podAffinityTerm": {
+                                "topologyKey": "kubernetes.io/hostname",
+                                "labelSelector": {"matchLabels": {constants.LABEL_INFERENCE_SERVICE: "x"}},
+                            },
+                        }
+                    ]
+                }
+            },
             "priorityClassName": "inference-high",
         },
     },
@@ -72,23 +95,37 @@ SPECS: dict[str, dict[str, Any]] = {
     },
     "autoscale-tokens": {
         "model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"},
-        "autoscaling": {"maxReplicas": 4, "metric": "tokensInFlight", "targetPerPod": 20000,
-                        "scaleDownDelaySeconds": 0},
+        "autoscaling": {
+            "maxReplicas": 4,
+            "metric": "tokensInFlight",
+            "targetPerPod": 20000,
+            "scaleDownDelaySeconds": 0,
+        },
     },
     "pdb-off": {"model": {"storageUri": "file:///models/m"}, "disruptionBudget": {"enabled": False}},
     "pdb-percent": {"model": {"storageUri": "file:///models/m"}, "disruptionBudget": {"maxUnavailable": "50%"}},
     "extra-args": {
         "model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"},
         "engine": {"args": ["--max-running-requests", "32", "--disable-radix-cache"], "schedulePolicy": "fcfs"},
-        "router": {"args": ["--max-retries", "3", "--log-level", "debug"], "replicas": 2,
-                   "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}}},
+        "router": {
+            "args": ["--max-retries", "3", "--log-level", "debug"],
+            "replicas": 2,
+            "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}},
+        },
     },
     "router-zero": {"model": {"storageUri": "file:///models/m"}, "router": {"replicas": 0}, "replicas": 0},
-    "pull-secrets": {"model": {"storageUri": "hf://org/repo"}, "imagePullSecrets": ["regcred", "mirror.creds"],
-                     "engine": {"resources": {"limits": {"cpu": "1500m", "memory": "4Gi"}}}},
-    **{f"router-{policy}": {"model": {"storageUri": "file:///models/m"},
-                            "router": {"policy": policy, "prefixBlocks": 4, "loadFactor": 2}}
-       for policy in ROUTER_POLICIES},
+    "pull-secrets": {
+        "model": {"storageUri": "hf://org/repo"},
+        "imagePullSecrets": ["regcred", "mirror.creds"],
+        "engine": {"resources": {"limits": {"cpu": "1500m", "memory": "4Gi"}}},
+    },
+    **{
+        f"router-{policy}": {
+            "model": {"storageUri": "file:///models/m"},
+            "router": {"policy": policy, "prefixBlocks": 4, "loadFactor": 2},
+        }
+        for policy in ROUTER_POLICIES
+    },
 }
 
 
@@ -162,7 +199,9 @@ def test_names_labels_and_owner_references() -> None:
     router_sa = constants.router_deployment_name(name)
     assert keys == {
         ("ConfigMap", config_map_name(name)),
-        ("ServiceAccount", router_sa), ("Role", router_sa), ("RoleBinding", router_sa),
+        ("ServiceAccount", router_sa),
+        ("Role", router_sa),
+        ("RoleBinding", router_sa),
         ("Service", constants.engine_deployment_name(name)),
         ("Deployment", constants.engine_deployment_name(name)),
         ("Service", constants.router_service_name(name)),
@@ -176,15 +215,26 @@ def test_names_labels_and_owner_references() -> None:
         assert meta["labels"] == child_labels(name, component_of(child))
         assert meta["labels"][constants.LABEL_NAME] == constants.LABEL_NAME_VALUE
         assert meta["labels"][constants.LABEL_INFERENCE_SERVICE] == name
-        assert meta["ownerReferences"] == [{
-            "apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}", "kind": constants.CRD_KIND,
-            "name": name, "uid": UID, "controller": True, "blockOwnerDeletion": True,
-        }]
-    router_side = {(c["kind"], c["metadata"]["name"]) for c in children
-                   if component_of(c) == constants.COMPONENT_ROUTER}
-    assert router_side == {("ServiceAccount", router_sa), ("Role", router_sa), ("RoleBinding", router_sa),
-                           ("Service", constants.router_service_name(name)),
-                           ("Deployment", constants.router_deployment_name(name))}
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}",
+                "kind": constants.CRD_KIND,
+                "name": name,
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    router_side = {
+        (c["kind"], c["metadata"]["name"]) for c in children if component_of(c) == constants.COMPONENT_ROUTER
+    }
+    assert router_side == {
+        ("ServiceAccount", router_sa),
+        ("Role", router_sa),
+        ("RoleBinding", router_sa),
+        ("Service", constants.router_service_name(name)),
+        ("Deployment", constants.router_deployment_name(name)),
+    }
 
 
 def test_no_owner_reference_without_uid() -> None:
@@ -203,8 +253,10 @@ def test_engine_selector_matches_engine_pods_only() -> None:
     router_pod = router["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= engine_pod.items()
     assert not selector.items() <= router_pod.items()
-    for svc_name, pod_labels, other in ((constants.engine_deployment_name(name), engine_pod, router_pod),
-                                        (constants.router_service_name(name), router_pod, engine_pod)):
+    for svc_name, pod_labels, other in (
+        (constants.engine_deployment_name(name), engine_pod, router_pod),
+        (constants.router_service_name(name), router_pod, engine_pod),
+    ):
         svc_selector = get(children, "Service", svc_name)["spec"]["selector"]
         assert svc_selector.items() <= pod_labels.items() and not svc_selector.items() <= other.items()
     pdb = get(children, "PodDisruptionBudget", constants.engine_deployment_name(name))
@@ -233,20 +285,34 @@ def endpoint_slice_for(service: dict, pod_ips: list[str], container_port: int) -
     kubernetes.io/service-name (and the managed-by / headless labels), its ports by name with the resolved target
     port, one ready endpoint per pod."""
     svc_meta = service["metadata"]
-    labels = {**svc_meta["labels"], constants.LABEL_SERVICE_NAME: svc_meta["name"],
-              "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+    labels = {
+        **svc_meta["labels"],
+        constants.LABEL_SERVICE_NAME: svc_meta["name"],
+        "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+    }
     if service["spec"].get("clusterIP") == "None":
         labels["service.kubernetes.io/headless"] = ""
     return {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": f"{svc_meta['name']}-7fz2q", "namespace": svc_meta["namespace"],
-                     "generateName": f"{svc_meta['name']}-", "labels": labels},
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{svc_meta['name']}-7fz2q",
+            "namespace": svc_meta["namespace"],
+            "generateName": f"{svc_meta['name']}-",
+            "labels": labels,
+        },
         "addressType": "IPv4",
-        "endpoints": [{"addresses": [ip], "conditions": {"ready": True, "serving": True, "terminating": False},
-                       "targetRef": {"kind": "Pod", "name": f"pod-{i}", "namespace": svc_meta["namespace"]}}
-                      for i, ip in enumerate(pod_ips)],
-        "ports": [{"name": p["name"], "port": container_port, "protocol": p["protocol"]}
-                  for p in service["spec"]["ports"]],
+        "endpoints": [
+            {
+                "addresses": [ip],
+                "conditions": {"ready": True, "serving": True, "terminating": False},
+                "targetRef": {"kind": "Pod", "name": f"pod-{i}", "namespace": svc_meta["namespace"]},
+            }
+            for i, ip in enumerate(pod_ips)
+        ],
+        "ports": [
+            {"name": p["name"], "port": container_port, "protocol": p["protocol"]} for p in service["spec"]["ports"]
+        ],
     }
 
 
@@ -293,7 +359,9 @@ def test_router_discovers_the_engine_service() -> None:
     # --all-inference-services mode: the engine Service's slices are in, the router Service's are not.
     assert _is_selected(engine_slice, NS, None) and not _is_selected(router_slice, NS, None)
     assert sorted(endpoints_from_slices([engine_slice], discovery.port_name)) == [
-        f"http://10.244.1.7:{constants.ENGINE_PORT}", f"http://10.244.2.9:{constants.ENGINE_PORT}"]
+        f"http://10.244.1.7:{constants.ENGINE_PORT}",
+        f"http://10.244.2.9:{constants.ENGINE_PORT}",
+    ]
 
     # The router Service forwards to the router container's http port; the router listens there.
     (public,) = router_svc["spec"]["ports"]
@@ -307,8 +375,11 @@ def test_router_rbac_allows_exactly_the_discovery_calls() -> None:
     children = render_children(make_isvc(SPECS["demo"], name=name), OPTIONS)
     sa = constants.router_deployment_name(name)
     (rule,) = get(children, "Role", sa)["rules"]
-    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"]}
+    assert rule == {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }
     binding = get(children, "RoleBinding", sa)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NS}]
@@ -339,10 +410,13 @@ def test_rendered_flags_parse_with_the_engine_and_router_parsers(case: str) -> N
     assert (r.host, r.port) == ("0.0.0.0", constants.ROUTER_PORT)
     assert r.service_discovery and r.service_name == constants.engine_deployment_name("llm") and r.namespace == NS
     assert (r.policy, r.prefix_blocks, r.load_factor) == (
-        spec.router.policy, spec.router.prefix_blocks, spec.router.load_factor)
+        spec.router.policy,
+        spec.router.prefix_blocks,
+        spec.router.load_factor,
+    )
     # spec.*.args come last, unchanged.
-    assert ec["args"][len(ec["args"]) - len(spec.engine.args):] == spec.engine.args
-    assert rc["args"][len(rc["args"]) - len(spec.router.args):] == spec.router.args
+    assert ec["args"][len(ec["args"]) - len(spec.engine.args) :] == spec.engine.args
+    assert rc["args"][len(rc["args"]) - len(spec.router.args) :] == spec.router.args
 
 
 def test_extra_args_are_appended_and_win() -> None:
@@ -359,8 +433,9 @@ def test_extra_args_are_appended_and_win() -> None:
     assert r.max_retries == 3 and r.log_level == "debug"
     # A user flag repeating a rendered one overrides it (argparse keeps the last).
     override = make_isvc({"model": {"storageUri": "file:///m"}, "router": {"args": ["--prefix-blocks", "2"]}})
-    rc2 = container(get(render_children(override, OPTIONS), "Deployment", constants.router_deployment_name("llm")),
-                    ROUTER_CONTAINER)
+    rc2 = container(
+        get(render_children(override, OPTIONS), "Deployment", constants.router_deployment_name("llm")), ROUTER_CONTAINER
+    )
     assert router_args_from_namespace(parse_cli(rc2["args"])).prefix_blocks == 2
 
 
@@ -398,10 +473,13 @@ def test_file_model_is_a_path_in_the_image() -> None:
     assert pod["containers"][0]["imagePullPolicy"] == "Always"
 
 
-@pytest.mark.parametrize("case,model_path", [
-    ("pvc", constants.MODEL_MOUNT_PATH + "/llama/3b"),
-    ("pvc-root", constants.MODEL_MOUNT_PATH),
-])
+@pytest.mark.parametrize(
+    "case,model_path",
+    [
+        ("pvc", constants.MODEL_MOUNT_PATH + "/llama/3b"),
+        ("pvc-root", constants.MODEL_MOUNT_PATH),
+    ],
+)
 def test_pvc_model_is_mounted_read_only(case: str, model_path: str) -> None:
     pod = engine_pod(case)
     claim = SPECS[case]["model"]["storageUri"].removeprefix("pvc://").split("/")[0]
@@ -419,11 +497,19 @@ def test_hf_model_is_fetched_by_an_init_container_with_the_token() -> None:
     assert volume["emptyDir"] == {}
     (init,) = pod["initContainers"]
     assert init["name"] == MODEL_INIT_CONTAINER and init["image"] == OPTIONS.image
-    assert init["command"] == ["hf", "download", "HuggingFaceTB/SmolLM2-135M-Instruct",
-                               "--local-dir", constants.MODEL_MOUNT_PATH, "--revision", "main"]
+    assert init["command"] == [
+        "hf",
+        "download",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "--local-dir",
+        constants.MODEL_MOUNT_PATH,
+        "--revision",
+        "main",
+    ]
     token = [v for v in init["env"] if v["name"] == "HF_TOKEN"]
-    assert token == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": "hf-token", "key": "HF_TOKEN", "optional": False}}}]
+    assert token == [
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN", "optional": False}}}
+    ]
     assert {"name": volume["name"], "mountPath": constants.MODEL_MOUNT_PATH} in init["volumeMounts"]
     # Requests for the fetch: cpu and memory, never an accelerator.
     assert init["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "6Gi"}}
@@ -434,8 +520,13 @@ def test_hf_model_is_fetched_by_an_init_container_with_the_token() -> None:
 
     pod = engine_pod("hf-no-revision")
     (init,) = pod["initContainers"]
-    assert init["command"] == ["hf", "download", "Qwen/Qwen2.5-0.5B-Instruct", "--local-dir",
-                               constants.MODEL_MOUNT_PATH]
+    assert init["command"] == [
+        "hf",
+        "download",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "--local-dir",
+        constants.MODEL_MOUNT_PATH,
+    ]
     assert not any(v["name"] == "HF_TOKEN" for v in init["env"])
 
 
@@ -466,8 +557,7 @@ def test_engine_probes_security_and_shutdown() -> None:
     dep = get(render_children(make_isvc(spec), OPTIONS), "Deployment", constants.engine_deployment_name("llm"))
     pod = dep["spec"]["template"]["spec"]
     c = container(dep, ENGINE_CONTAINER)
-    assert c["ports"] == [{"name": constants.HTTP_PORT_NAME, "containerPort": constants.ENGINE_PORT,
-                           "protocol": "TCP"}]
+    assert c["ports"] == [{"name": constants.HTTP_PORT_NAME, "containerPort": constants.ENGINE_PORT, "protocol": "TCP"}]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": constants.ENGINE_HEALTH_PATH, "port": constants.HTTP_PORT_NAME}
     startup = c["startupProbe"]
@@ -488,8 +578,9 @@ def test_engine_probes_security_and_shutdown() -> None:
 
 
 def test_router_pod_shape() -> None:
-    dep = get(render_children(make_isvc(SPECS["extra-args"]), OPTIONS), "Deployment",
-              constants.router_deployment_name("llm"))
+    dep = get(
+        render_children(make_isvc(SPECS["extra-args"]), OPTIONS), "Deployment", constants.router_deployment_name("llm")
+    )
     c = container(dep, ROUTER_CONTAINER)
     assert dep["spec"]["replicas"] == 2
     assert c["image"] == OPTIONS.image
@@ -505,8 +596,11 @@ def test_default_image_pull_policy_from_options() -> None:
     children = render_children(make_isvc(SPECS["hf-token"]), options)
     engine = get(children, "Deployment", constants.engine_deployment_name("llm"))
     router = get(children, "Deployment", constants.router_deployment_name("llm"))
-    for c in (engine["spec"]["template"]["spec"]["containers"] + engine["spec"]["template"]["spec"]["initContainers"]
-              + router["spec"]["template"]["spec"]["containers"]):
+    for c in (
+        engine["spec"]["template"]["spec"]["containers"]
+        + engine["spec"]["template"]["spec"]["initContainers"]
+        + router["spec"]["template"]["spec"]["containers"]
+    ):
         assert c["image"] == "radixserve:dev" and c["imagePullPolicy"] == "IfNotPresent"
     for c in render_children(make_isvc(SPECS["demo"]), OPTIONS):
         if c["kind"] == "Deployment":
@@ -522,8 +616,11 @@ def test_hpa_scales_the_inference_service(case: str) -> None:
     children = render_children(make_isvc(spec), OPTIONS)
     hpa = get(children, "HorizontalPodAutoscaler", "llm")
     auto = spec["autoscaling"]
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}",
-                                             "kind": constants.CRD_KIND, "name": "llm"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": f"{constants.API_GROUP}/{constants.API_VERSION}",
+        "kind": constants.CRD_KIND,
+        "name": "llm",
+    }
     assert hpa["spec"]["minReplicas"] == auto.get("minReplicas", 1)
     assert hpa["spec"]["maxReplicas"] == auto["maxReplicas"]
     (metric,) = hpa["spec"]["metrics"]
@@ -542,19 +639,28 @@ def test_optional_children() -> None:
     assert "HorizontalPodAutoscaler" not in kinds("demo")
     assert "PodDisruptionBudget" in kinds("demo")
     assert "PodDisruptionBudget" not in kinds("pdb-off")
-    pdb = get(render_children(make_isvc(SPECS["pdb-percent"]), OPTIONS), "PodDisruptionBudget",
-              constants.engine_deployment_name("llm"))
+    pdb = get(
+        render_children(make_isvc(SPECS["pdb-percent"]), OPTIONS),
+        "PodDisruptionBudget",
+        constants.engine_deployment_name("llm"),
+    )
     assert pdb["spec"]["maxUnavailable"] == "50%"
-    pdb = get(render_children(make_isvc(SPECS["demo"]), OPTIONS), "PodDisruptionBudget",
-              constants.engine_deployment_name("llm"))
+    pdb = get(
+        render_children(make_isvc(SPECS["demo"]), OPTIONS),
+        "PodDisruptionBudget",
+        constants.engine_deployment_name("llm"),
+    )
     assert pdb["spec"]["maxUnavailable"] == 1
 
 
 def diff(a: list[dict], b: list[dict]) -> set[tuple[str, str]]:
     """(kind, name) of children that differ between two renders (added, removed or changed)."""
     ka, kb = by_key(a), by_key(b)
-    return {k for k in ka.keys() | kb.keys() if json.dumps(ka.get(k), sort_keys=True) != json.dumps(kb.get(k),
-                                                                                                        sort_keys=True)}
+    return {
+        k
+        for k in ka.keys() | kb.keys()
+        if json.dumps(ka.get(k), sort_keys=True) != json.dumps(kb.get(k), sort_keys=True)
+    }
 
 
 def test_replicas_change_touches_only_the_engine_deployment_replicas() -> None:
@@ -577,8 +683,9 @@ def test_router_policy_change_touches_only_router_objects_and_the_config() -> No
     assert changed == {("Deployment", constants.router_deployment_name("llm")), ("ConfigMap", config_map_name("llm"))}
     old = get(before, "Deployment", constants.router_deployment_name("llm"))["spec"]["template"]
     new = get(after, "Deployment", constants.router_deployment_name("llm"))["spec"]["template"]
-    assert old["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] != new["metadata"]["annotations"][
-        CONFIG_HASH_ANNOTATION]
+    assert (
+        old["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] != new["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+    )
     cm = get(after, "ConfigMap", config_map_name("llm"))
     command = json.loads(cm["data"]["router.json"])["command"]
     assert command[command.index("--policy") + 1] == "least_load"
@@ -588,10 +695,13 @@ def test_engine_image_change_rolls_only_the_engines() -> None:
     spec = SPECS["demo"]
     before = render_children(make_isvc(spec), OPTIONS)
     after = render_children(make_isvc({**spec, "engine": {"image": "radixserve:new"}}), OPTIONS)
-    assert diff(before, after) == {("Deployment", constants.engine_deployment_name("llm")),
-                                   ("ConfigMap", config_map_name("llm"))}
+    assert diff(before, after) == {
+        ("Deployment", constants.engine_deployment_name("llm")),
+        ("ConfigMap", config_map_name("llm")),
+    }
     hash_of = lambda children: get(children, "Deployment", constants.engine_deployment_name("llm"))[  # noqa: E731
-        "spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+        "spec"
+    ]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
     assert hash_of(before) != hash_of(after)
     cm = get(after, "ConfigMap", config_map_name("llm"))
     assert json.loads(cm["data"]["engine.json"])["image"] == "radixserve:new"
@@ -619,8 +729,15 @@ def test_output_is_deterministic() -> None:
     # So does another interpreter with another hash seed (no set/dict-order or id() leaks).
     wire = json.dumps([i.model_dump(by_alias=True, exclude_none=True) for i in isvcs])
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", _RENDER_SCRIPT % OPTIONS.image], input=wire, env=env,
-                         capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _RENDER_SCRIPT % OPTIONS.image],
+        input=wire,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert out.stdout.strip() == first
 
 
@@ -641,27 +758,34 @@ def test_image_pull_secrets_reach_engine_router_and_init_containers_pods() -> No
         pod = get(children, "Deployment", dep_name)["spec"]["template"]["spec"]
         assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror.creds"}]
     plain = render_children(make_isvc(SPECS["demo"]), OPTIONS)
-    assert all("imagePullSecrets" not in get(plain, "Deployment", d)["spec"]["template"]["spec"]
-               for d in (constants.engine_deployment_name("llm"), constants.router_deployment_name("llm")))
+    assert all(
+        "imagePullSecrets" not in get(plain, "Deployment", d)["spec"]["template"]["spec"]
+        for d in (constants.engine_deployment_name("llm"), constants.router_deployment_name("llm"))
+    )
 
 
-@pytest.mark.parametrize("resources,threads", [
-    ({"limits": {"cpu": "2"}}, 2),
-    ({"limits": {"cpu": "1500m"}}, 1),
-    ({"limits": {"cpu": "250m"}}, 1),
-    ({"requests": {"cpu": 4}}, 4),
-    ({"requests": {"cpu": "8"}, "limits": {"cpu": "3"}}, 3),  # the limit is the quota
-    ({"limits": {"cpu": "8", "nvidia.com/gpu": 1}}, None),  # GPU engines: torch threads do not matter
-    ({"limits": {"memory": "1Gi"}}, None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "resources,threads",
+    [
+        ({"limits": {"cpu": "2"}}, 2),
+        ({"limits": {"cpu": "1500m"}}, 1),
+        ({"limits": {"cpu": "250m"}}, 1),
+        ({"requests": {"cpu": 4}}, 4),
+        ({"requests": {"cpu": "8"}, "limits": {"cpu": "3"}}, 3),  # the limit is the quota
+        ({"limits": {"cpu": "8", "nvidia.com/gpu": 1}}, None),  # GPU engines: torch threads do not matter
+        ({"limits": {"memory": "1Gi"}}, None),
+        (None, None),
+    ],
+)
 def test_cpu_engines_get_threads_from_their_cpu_figure(resources, threads) -> None:
     """torch starts a thread per host core; under a 2-CPU quota on a 64-core node that throttles the engine."""
     spec = {"model": {"storageUri": "file:///models/m"}}
     if resources is not None:
         spec["engine"] = {"resources": resources}
-    c = container(get(render_children(make_isvc(spec), OPTIONS), "Deployment", constants.engine_deployment_name("llm")),
-                  ENGINE_CONTAINER)
+    c = container(
+        get(render_children(make_isvc(spec), OPTIONS), "Deployment", constants.engine_deployment_name("llm")),
+        ENGINE_CONTAINER,
+    )
     if threads is None:
         assert "--num-threads" not in c["args"]
     else:

@@ -109,7 +109,8 @@ def test_openai_chat_through_router_equals_direct(stack):
     r, fakes, urls = stack
     client = openai.OpenAI(base_url=r + "/v1", api_key="unused", max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=MSGS, max_tokens=6, extra_headers={"x-request-id": "router-rid-1"})
+        model=MODEL, messages=MSGS, max_tokens=6, extra_headers={"x-request-id": "router-rid-1"}
+    )
     resp = raw.parse()
     worker = raw.headers[constants.HEADER_WORKER]
     assert worker in urls
@@ -118,7 +119,8 @@ def test_openai_chat_through_router_equals_direct(stack):
     engine = fakes[urls.index(worker)]
     assert engine.requests[-1].rid == "router-rid-1"  # the id reached the engine
     direct = openai.OpenAI(base_url=worker + "/v1", api_key="unused", max_retries=0).chat.completions.create(
-        model=MODEL, messages=MSGS, max_tokens=6)
+        model=MODEL, messages=MSGS, max_tokens=6
+    )
     assert resp.choices[0].message.content == direct.choices[0].message.content
     assert resp.usage.prompt_tokens == direct.usage.prompt_tokens
     assert resp.id == "chatcmpl-router-rid-1"
@@ -127,11 +129,14 @@ def test_openai_chat_through_router_equals_direct(stack):
 def test_openai_chat_stream_through_router_equals_direct(stack):
     r, fakes, urls = stack
     client = openai.OpenAI(base_url=r + "/v1", api_key="unused", max_retries=0)
-    via = [c.model_dump() for c in client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5,
-                                                                  stream=True)]
+    via = [
+        c.model_dump() for c in client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, stream=True)
+    ]
     direct_client = openai.OpenAI(base_url=urls[0] + "/v1", api_key="unused", max_retries=0)
-    direct = [c.model_dump() for c in direct_client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5,
-                                                                            stream=True)]
+    direct = [
+        c.model_dump()
+        for c in direct_client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, stream=True)
+    ]
     assert strip_volatile(via) == strip_volatile(direct)
     assert all(c["usage"] is None for c in via)  # the usage chunk the router asked for is not shown
 
@@ -167,8 +172,11 @@ def test_same_prompt_goes_to_same_worker(stack):
     r, _, _ = stack
     workers = set()
     for _ in range(4):
-        body = {"model": MODEL, "messages": [{"role": "system", "content": "You are a pirate. " * 40}] + MSGS,
-                "max_tokens": 2}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "system", "content": "You are a pirate. " * 40}] + MSGS,
+            "max_tokens": 2,
+        }
         resp = httpx.post(r + "/v1/chat/completions", json=body, timeout=30)
         assert resp.status_code == 200
         workers.add(resp.headers[constants.HEADER_WORKER])
@@ -181,8 +189,13 @@ def test_usage_chunk_kept_when_client_asked_and_cached_tokens_counted(stack):
         e.cached_tokens = 5
     try:
         before = metric(r, "actual_cached_tokens_total")
-        body = {"model": MODEL, "messages": MSGS, "max_tokens": 3, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL,
+            "messages": MSGS,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         payloads = sse_payloads(httpx.post(r + "/v1/chat/completions", json=body, timeout=30).text)
         assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 5
         # Stream without include_usage (the router asks and strips), non-stream chat, native stream and non-stream.
@@ -191,8 +204,11 @@ def test_usage_chunk_kept_when_client_asked_and_cached_tokens_counted(stack):
         assert all(p["choices"] and "usage" not in p for p in payloads)
         httpx.post(r + "/v1/chat/completions", json={**body, "stream": False}, timeout=30)
         for stream in (True, False):
-            httpx.post(r + "/generate", json={"text": "hello there " * 5, "sampling_params": {"max_new_tokens": 3},
-                                              "stream": stream}, timeout=30)
+            httpx.post(
+                r + "/generate",
+                json={"text": "hello there " * 5, "sampling_params": {"max_new_tokens": 3}, "stream": stream},
+                timeout=30,
+            )
         assert metric(r, "actual_cached_tokens_total") - before == 5 * 5
     finally:
         for e in fakes:
@@ -214,8 +230,7 @@ def test_health_lists_workers(stack):
     h = health(r)
     assert h["status"] == "ok" and h["discovery"]["kind"] == "static" and h["discovery"]["stale"] is False
     assert sorted(w["url"] for w in h["workers"]) == sorted(urls)
-    assert all(w["state"] == "closed" and w["models"] == [MODEL] and w["inflight_requests"] == 0
-               for w in h["workers"])
+    assert all(w["state"] == "closed" and w["models"] == [MODEL] and w["inflight_requests"] == 0 for w in h["workers"])
     ready = httpx.get(r + "/ready")
     assert ready.status_code == 200 and ready.json()["routable_workers"] == 2
 
@@ -257,17 +272,31 @@ def test_body_limit_413_and_api_key_401(tok):
         big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 3000}]}
         assert_error(httpx.post(r + "/v1/chat/completions", json=big, headers=auth), 413)
         assert_error(httpx.post(r + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}), 401)
-        assert_error(httpx.post(r + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2},
-                                headers={"authorization": "Bearer wrong"}), 401)
-        assert httpx.post(r + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2},
-                          headers=auth).status_code == 200
+        assert_error(
+            httpx.post(
+                r + "/v1/chat/completions",
+                json={"messages": MSGS, "max_tokens": 2},
+                headers={"authorization": "Bearer wrong"},
+            ),
+            401,
+        )
+        assert (
+            httpx.post(r + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}, headers=auth).status_code
+            == 200
+        )
         assert httpx.get(r + "/health").status_code == 200  # probes and scrapes stay open
         assert httpx.get(r + "/metrics").status_code == 200
         client = openai.OpenAI(base_url=r + "/v1", api_key="sekret", max_retries=0)
         assert client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2).choices[0].message.content
         # The scheme is case-insensitive (regression: "bearer sekret" got 401).
-        assert httpx.post(r + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2},
-                          headers={"authorization": "bearer sekret"}).status_code == 200
+        assert (
+            httpx.post(
+                r + "/v1/chat/completions",
+                json={"messages": MSGS, "max_tokens": 2},
+                headers={"authorization": "bearer sekret"},
+            ).status_code
+            == 200
+        )
         # Answers of the edge middleware are counted too (regression: 401 and 413 never reached requests_total).
         text = httpx.get(r + "/metrics").text
         assert 'radixserve_router_requests_total{code="413",model="unknown"} 1.0' in text
@@ -293,14 +322,16 @@ def test_retry_when_first_candidate_refuses_connections(tok):
         doomed = ServerThread(engine_app(fake, manage_engine=False))
         doomed_url = doomed.__enter__()
         try:
-            with router([doomed_url, live_urls[0]], policy="round_robin", eject_after_failures=100,
-                        health_interval_s=60) as r:
+            with router(
+                [doomed_url, live_urls[0]], policy="round_robin", eject_after_failures=100, health_interval_s=60
+            ) as r:
                 doomed.__exit__(None, None, None)
                 doomed = None
                 reasons = []
                 for i in range(4):
-                    resp = httpx.post(r + "/generate", json={"text": f"q{i}", "sampling_params": {"max_new_tokens": 2}},
-                                      timeout=30)
+                    resp = httpx.post(
+                        r + "/generate", json={"text": f"q{i}", "sampling_params": {"max_new_tokens": 2}}, timeout=30
+                    )
                     assert resp.status_code == 200, resp.text
                     assert resp.headers[constants.HEADER_WORKER] == live_urls[0]
                     reasons.append(resp.headers[constants.HEADER_ROUTE_REASON])
@@ -317,9 +348,11 @@ def test_retry_on_503_before_first_byte(tok):
         fakes[0].fail_with = InvalidRequestError("the engine is shutting down", None, status_code=503)
         for i in range(4):
             for stream in (False, True):
-                resp = httpx.post(r + "/v1/chat/completions",
-                                  json={"messages": [{"role": "user", "content": f"m{i}"}], "max_tokens": 2,
-                                        "stream": stream}, timeout=30)
+                resp = httpx.post(
+                    r + "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": f"m{i}"}], "max_tokens": 2, "stream": stream},
+                    timeout=30,
+                )
                 assert resp.status_code == 200, resp.text
                 assert resp.headers[constants.HEADER_WORKER] == urls[1]
         assert metric(r, "retries_total") >= 1
@@ -327,8 +360,10 @@ def test_retry_on_503_before_first_byte(tok):
 
 
 def test_ejection_and_readmission_by_health_probe(tok):
-    with engines(tok, 2) as (fakes, urls), router(urls, eject_after_failures=2, health_interval_s=0.2,
-                                                  readmit_after_s=3.0) as r:
+    with (
+        engines(tok, 2) as (fakes, urls),
+        router(urls, eject_after_failures=2, health_interval_s=0.2, readmit_after_s=3.0) as r,
+    ):
         fakes[0].healthy = False  # /health answers 503
         assert wait_until(lambda: {w["url"]: w["state"] for w in health(r)["workers"]}[urls[0]] == "open", 30)
         assert metric(r, "ejections_total") >= 1
@@ -357,8 +392,9 @@ def test_models_aggregated_and_routed_by_model(tok):
                 assert resp.status_code == 200 and resp.headers[constants.HEADER_WORKER] == url
         assert_error(httpx.post(r + "/v1/chat/completions", json={"messages": MSGS}), 400, "model is required")
         assert_error(httpx.post(r + "/generate", json={"text": "x"}), 400, "model")
-        resp = httpx.post(r + "/generate", json={"text": "x", "model": "other-model",
-                                                 "sampling_params": {"max_new_tokens": 1}})
+        resp = httpx.post(
+            r + "/generate", json={"text": "x", "model": "other-model", "sampling_params": {"max_new_tokens": 1}}
+        )
         assert resp.status_code == 200 and resp.headers[constants.HEADER_WORKER] == urls[1]
 
 
@@ -367,8 +403,12 @@ def test_models_aggregated_and_routed_by_model(tok):
 
 def test_stream_is_not_buffered(tok):
     with engines(tok, 1, delay_s=0.2) as (fakes, urls), router(urls) as r:
-        with httpx.stream("POST", r + "/v1/chat/completions", timeout=60,
-                          json={"model": MODEL, "messages": MSGS, "max_tokens": 10, "stream": True}) as resp:
+        with httpx.stream(
+            "POST",
+            r + "/v1/chat/completions",
+            timeout=60,
+            json={"model": MODEL, "messages": MSGS, "max_tokens": 10, "stream": True},
+        ) as resp:
             lines = resp.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["choices"]
@@ -379,10 +419,16 @@ def test_stream_is_not_buffered(tok):
 
 def test_client_disconnect_aborts_upstream(tok):
     with engines(tok, 1, delay_s=0.2) as (fakes, urls), router(urls) as r:
-        for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 1000,
-                                                     "stream": True, "ignore_eos": True}),
-                           ("/generate", {"text": "hi", "stream": True,
-                                          "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}})):
+        for path, body in (
+            (
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": MSGS, "max_tokens": 1000, "stream": True, "ignore_eos": True},
+            ),
+            (
+                "/generate",
+                {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}},
+            ),
+        ):
             rid = f"leave-{path.strip('/').replace('/', '-')}"
             with httpx.stream("POST", r + path, json=body, headers={"x-request-id": rid}, timeout=60) as resp:
                 assert resp.status_code == 200
@@ -419,8 +465,10 @@ def test_worker_admitted_only_once_its_tokenizer_is_settled(tok, tmp_path):
         release.wait(30)
         return JSONResponse({"model": MODEL, "files": files})
 
-    with ServerThread(slow) as upstream, ServerThread(create_app(RouterArgs(worker_urls=[upstream],
-                                                                          health_interval_s=0.2))) as r:
+    with (
+        ServerThread(slow) as upstream,
+        ServerThread(create_app(RouterArgs(worker_urls=[upstream], health_interval_s=0.2))) as r,
+    ):
         time.sleep(1.5)  # several probe periods
         assert health(r)["routable_workers"] == 0
         assert httpx.get(r + constants.ROUTER_READY_PATH).status_code == 503
@@ -457,19 +505,38 @@ def test_injected_usage_chunk_stripped_from_non_compact_json_streams():
                     chunk["usage"] = None
                 yield f"data: {json.dumps(chunk)}\n\n"
             if usage:
-                yield "data: " + json.dumps({"id": "x", "choices": [], "usage": {
-                    "prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11,
-                    "prompt_tokens_details": {"cached_tokens": 7}}}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {
+                            "id": "x",
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": 9,
+                                "completion_tokens": 2,
+                                "total_tokens": 11,
+                                "prompt_tokens_details": {"cached_tokens": 7},
+                            },
+                        }
+                    )
+                    + "\n\n"
+                )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    upstream = Starlette(routes=[Route("/health", _health), Route("/v1/models", _models),
-                                 Route("/v1/chat/completions", _chat, methods=["POST"])])
+    upstream = Starlette(
+        routes=[
+            Route("/health", _health),
+            Route("/v1/models", _models),
+            Route("/v1/chat/completions", _chat, methods=["POST"]),
+        ]
+    )
 
     with ServerThread(upstream) as up, router([up]) as r:
-        resp = httpx.post(r + "/v1/chat/completions", timeout=30,
-                          json={"model": "spacey", "messages": MSGS, "stream": True})
+        resp = httpx.post(
+            r + "/v1/chat/completions", timeout=30, json={"model": "spacey", "messages": MSGS, "stream": True}
+        )
         assert resp.status_code == 200
         chunks = sse_payloads(resp.text)
         assert seen[-1]["stream_options"] == {"include_usage": True}  # the router asked for usage...
@@ -482,11 +549,22 @@ def test_injected_usage_chunk_stripped_from_non_compact_json_streams():
 def test_both_upstream_transports_proxy_streams_and_retry(tok, transport):
     """The default aiohttp pool and the pure-httpx fallback behave the same: streams relay, a refused connection is
     retried on the next candidate."""
-    with engines(tok, 1) as (_, live), router([dead_url(), live[0]], wait_for=1, policy="round_robin",
-                                              eject_after_failures=100, upstream_transport=transport) as r:
+    with (
+        engines(tok, 1) as (_, live),
+        router(
+            [dead_url(), live[0]],
+            wait_for=1,
+            policy="round_robin",
+            eject_after_failures=100,
+            upstream_transport=transport,
+        ) as r,
+    ):
         for i in range(2):
-            resp = httpx.post(r + "/v1/chat/completions", timeout=30,
-                              json={"messages": [{"role": "user", "content": f"t{i}"}], "max_tokens": 3, "stream": True})
+            resp = httpx.post(
+                r + "/v1/chat/completions",
+                timeout=30,
+                json={"messages": [{"role": "user", "content": f"t{i}"}], "max_tokens": 3, "stream": True},
+            )
             assert resp.status_code == 200 and resp.headers[constants.HEADER_WORKER] == live[0]
             chunks = sse_payloads(resp.text)
             assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"  # then one chunk per token
@@ -500,8 +578,10 @@ def test_stream_with_lone_surrogate_is_the_engines_400_not_a_500(tok):
     encodable as UTF-8) and answered 500; the non-stream form already got the engine's 400."""
     raw = b'{"messages": [{"role": "user", "content": "hi \\ud800 there"}], "max_tokens": 3, "stream": true}'
     with engines(tok, 1) as (fakes, urls), router(urls) as r:
-        for path, body in (("/v1/chat/completions", raw),
-                           ("/v1/completions", b'{"prompt": "hi \\udfff", "max_tokens": 3, "stream": true}')):
+        for path, body in (
+            ("/v1/chat/completions", raw),
+            ("/v1/completions", b'{"prompt": "hi \\udfff", "max_tokens": 3, "stream": true}'),
+        ):
             resp = httpx.post(r + path, content=body, headers={"content-type": "application/json"}, timeout=30)
             assert_error(resp, 400, "not valid Unicode")
         assert httpx.post(r + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
@@ -544,11 +624,16 @@ class _ResettingUpstream:
                         self.connection.close()
                         return
                     path = line.split(b" ")[1]
-                    body = (json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
-                            if path == b"/v1/models" else b"{}")
+                    body = (
+                        json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+                        if path == b"/v1/models"
+                        else b"{}"
+                    )
                     status = b"404 Not Found" if path == constants.ENGINE_TOKENIZER_FILES_PATH.encode() else b"200 OK"
-                    self.wfile.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
-                                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                    self.wfile.write(
+                        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+                        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                    )
 
         self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -569,8 +654,11 @@ def test_reset_before_any_response_byte_is_retried(transport):
     """Regression: with the httpx transport a connection reset before the response (a killed engine) answered
     502 instead of trying the next candidate."""
     tok = load_tokenizer()
-    with _ResettingUpstream() as resetting, engines(tok, 1) as (_, live), router(
-            [resetting, live[0]], policy="round_robin", eject_after_failures=100, upstream_transport=transport) as r:
+    with (
+        _ResettingUpstream() as resetting,
+        engines(tok, 1) as (_, live),
+        router([resetting, live[0]], policy="round_robin", eject_after_failures=100, upstream_transport=transport) as r,
+    ):
         reasons = []
         for i in range(4):
             resp = httpx.post(r + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 2}, timeout=30)
@@ -597,15 +685,17 @@ def test_readmitted_worker_rereads_its_models(tok):
             second.port, second.url = port, url
             import uvicorn
 
-            second.server = uvicorn.Server(uvicorn.Config(second.server.config.app, host="127.0.0.1", port=port,
-                                                          log_level="warning"))
+            second.server = uvicorn.Server(
+                uvicorn.Config(second.server.config.app, host="127.0.0.1", port=port, log_level="warning")
+            )
             with second:
                 assert wait_until(lambda: health(r)["routable_workers"] == 1, 30)
                 assert [m["id"] for m in httpx.get(r + "/v1/models").json()["data"]] == ["other-model"]
                 resp = httpx.post(r + "/v1/completions", json={"model": "other-model", "prompt": "x", "max_tokens": 2})
                 assert resp.status_code == 200
-                assert_error(httpx.post(r + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}),
-                             404)
+                assert_error(
+                    httpx.post(r + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}), 404
+                )
     finally:
         if first is not None:
             first.__exit__(None, None, None)

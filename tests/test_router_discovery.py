@@ -41,13 +41,20 @@ def ep(ip: str, pod: str, ready: bool | None = True, terminating: bool | None = 
     return {"addresses": [ip], "conditions": conditions, "targetRef": {"kind": "Pod", "name": pod, "namespace": NS}}
 
 
-def make_slice(name: str, service: str, endpoints: list[dict[str, Any]], *, port: int = 30000,
-               ports: list[dict[str, Any]] | None = None, labels: dict[str, str] | None = None,
-               address_type: str = "IPv4") -> dict[str, Any]:
+def make_slice(
+    name: str,
+    service: str,
+    endpoints: list[dict[str, Any]],
+    *,
+    port: int = 30000,
+    ports: list[dict[str, Any]] | None = None,
+    labels: dict[str, str] | None = None,
+    address_type: str = "IPv4",
+) -> dict[str, Any]:
     return {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": name, "namespace": NS,
-                     "labels": {LABEL_SERVICE_NAME: service, **(labels or {})}},
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": NS, "labels": {LABEL_SERVICE_NAME: service, **(labels or {})}},
         "addressType": address_type,
         "endpoints": endpoints,
         "ports": ports if ports is not None else [{"name": "http", "port": port, "protocol": "TCP"}],
@@ -127,14 +134,23 @@ async def discoveries():
 @pytest.mark.asyncio
 async def test_initial_list_only_ready_not_terminating(k8s, discoveries):
     emu, api = k8s
-    await create(emu, make_slice("engine-abc", "engine", [
-        ep("10.0.0.1", "p1", ready=True),
-        ep("10.0.0.2", "p2", ready=None),  # conditions.ready unset: ready, per the API
-        ep("10.0.0.3", "p3", ready=False),
-        ep("10.0.0.4", "p4", ready=True, terminating=True),
-    ], labels=engine_labels("chat")))
-    await create(emu, make_slice("engine-v6", "engine", [ep("fd00::7", "p7")], address_type="IPv6",
-                                 labels=engine_labels("chat")))
+    await create(
+        emu,
+        make_slice(
+            "engine-abc",
+            "engine",
+            [
+                ep("10.0.0.1", "p1", ready=True),
+                ep("10.0.0.2", "p2", ready=None),  # conditions.ready unset: ready, per the API
+                ep("10.0.0.3", "p3", ready=False),
+                ep("10.0.0.4", "p4", ready=True, terminating=True),
+            ],
+            labels=engine_labels("chat"),
+        ),
+    )
+    await create(
+        emu, make_slice("engine-v6", "engine", [ep("fd00::7", "p7")], address_type="IPv6", labels=engine_labels("chat"))
+    )
     d, rec = await discoveries(api)
     await rec.wait_urls({"http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://[fd00::7]:30000"})
     assert len(rec.calls) == 1 and not rec.wrong_thread
@@ -199,10 +215,18 @@ async def test_on_change_only_when_the_set_changes(k8s, discoveries):
 @pytest.mark.asyncio
 async def test_port_chosen_by_name(k8s, discoveries):
     emu, api = k8s
-    await create(emu, make_slice("engine-a", "engine", [ep("10.0.0.1", "p1")], ports=[
-        {"name": "metrics", "port": 9090}, {"name": "http", "port": 31000}]))
-    await create(emu, make_slice("engine-b", "engine", [ep("10.0.0.2", "p2")],
-                                 ports=[{"name": "metrics", "port": 9090}]))
+    await create(
+        emu,
+        make_slice(
+            "engine-a",
+            "engine",
+            [ep("10.0.0.1", "p1")],
+            ports=[{"name": "metrics", "port": 9090}, {"name": "http", "port": 31000}],
+        ),
+    )
+    await create(
+        emu, make_slice("engine-b", "engine", [ep("10.0.0.2", "p2")], ports=[{"name": "metrics", "port": 9090}])
+    )
     await create(emu, make_slice("engine-c", "engine", [ep("10.0.0.3", "p3")], ports=[{"port": 32000}]))  # unnamed
     _, rec = await discoveries(api)
     # b has no port named http: skipped; c's single unnamed port is the Service's only port: used.
@@ -224,8 +248,11 @@ async def test_other_services_ignored_and_selector_sent(k8s, discoveries):
     await patch(emu, "engine-a", {"metadata": {"labels": {LABEL_SERVICE_NAME: "other"}}})
     await rec.wait_urls(set())
     # The emulator ignores selectors (as kmock does), so the filtering above was client-side; but it was sent.
-    selectors = {r.params.get("labelSelector") for r in list(emu)
-                 if r.resource == RESOURCE and r.action in (kmock.action.LIST, kmock.action.WATCH)}
+    selectors = {
+        r.params.get("labelSelector")
+        for r in list(emu)
+        if r.resource == RESOURCE and r.action in (kmock.action.LIST, kmock.action.WATCH)
+    }
     assert selectors == {f"{LABEL_SERVICE_NAME}=engine"}
 
 
@@ -234,8 +261,15 @@ async def test_namespace_wide_mode_takes_only_engine_slices(k8s, discoveries):
     emu, api = k8s
     await create(emu, make_slice("chat-engine-1", "chat-engine", [ep("10.0.0.1", "c1")], labels=engine_labels("chat")))
     await create(emu, make_slice("code-engine-1", "code-engine", [ep("10.0.1.1", "k1")], labels=engine_labels("code")))
-    await create(emu, make_slice("chat-router-1", "chat", [ep("10.0.2.1", "r1")],
-                                 labels={LABEL_INFERENCE_SERVICE: "chat", LABEL_COMPONENT: COMPONENT_ROUTER}))
+    await create(
+        emu,
+        make_slice(
+            "chat-router-1",
+            "chat",
+            [ep("10.0.2.1", "r1")],
+            labels={LABEL_INFERENCE_SERVICE: "chat", LABEL_COMPONENT: COMPONENT_ROUTER},
+        ),
+    )
     await create(emu, make_slice("web-1", "web", [ep("10.0.3.1", "w1")], labels={LABEL_COMPONENT: COMPONENT_ENGINE}))
     d, rec = await discoveries(api, all_inference_services=True)
     await rec.wait_urls({"http://10.0.0.1:30000", "http://10.0.1.1:30000"})
@@ -311,7 +345,8 @@ async def test_unreachable_api_server_sets_error_goes_stale_and_recovers(tmp_pat
         import kubernetes
 
         api = kubernetes.config.new_client_from_config(
-            config_file=write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}"))
+            config_file=write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
+        )
         await create(emu, make_slice("engine-a", "engine", [ep("10.0.0.1", "p1")]))
         d = EndpointSliceDiscovery(NS, "engine", relist_interval_s=0.5, stale_after_s=1.0, api_client=api)
         rec = Recorder()
@@ -413,28 +448,46 @@ def test_endpoints_from_slices_pure():
     s2["endpoints"] = None  # the API sends null for a Service with no endpoints
     s3 = make_slice("c", "svc", [{"addresses": ["10.0.0.3"]}])  # no conditions at all, no targetRef
     got = endpoints_from_slices([s, s2, s3])
-    assert got == {"http://10.0.0.1:30000": Endpoint("http://10.0.0.1:30000", "svc", None, "p1"),
-                   "http://10.0.0.3:30000": Endpoint("http://10.0.0.3:30000", "svc", None, None)}
+    assert got == {
+        "http://10.0.0.1:30000": Endpoint("http://10.0.0.1:30000", "svc", None, "p1"),
+        "http://10.0.0.3:30000": Endpoint("http://10.0.0.3:30000", "svc", None, None),
+    }
 
 
 # --- static discovery ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw, want", [
-    ("localhost:30000", "http://localhost:30000"),
-    ("http://127.0.0.1:30000/", "http://127.0.0.1:30000"),
-    ("HTTPS://Engine.Example:443//", "https://engine.example:443"),
-    ("http://[::1]:30001", "http://[::1]:30001"),
-    ("10.0.0.5", "http://10.0.0.5"),
-    ("http://proxy.local/engines/0/", "http://proxy.local/engines/0"),
-    ("  http://a:1  ", "http://a:1"),
-])
+@pytest.mark.parametrize(
+    "raw, want",
+    [
+        ("localhost:30000", "http://localhost:30000"),
+        ("http://127.0.0.1:30000/", "http://127.0.0.1:30000"),
+        ("HTTPS://Engine.Example:443//", "https://engine.example:443"),
+        ("http://[::1]:30001", "http://[::1]:30001"),
+        ("10.0.0.5", "http://10.0.0.5"),
+        ("http://proxy.local/engines/0/", "http://proxy.local/engines/0"),
+        ("  http://a:1  ", "http://a:1"),
+    ],
+)
 def test_normalize_url(raw, want):
     assert normalize_url(raw) == want
 
 
-@pytest.mark.parametrize("junk", ["", "   ", "http://", "ftp://host:21", "host:notaport", "http://a:99999",
-                                  "http://a b:1", "http://a:1/?q=1", "http://user:pw@a:1", "::1:30000"])
+@pytest.mark.parametrize(
+    "junk",
+    [
+        "",
+        "   ",
+        "http://",
+        "ftp://host:21",
+        "host:notaport",
+        "http://a:99999",
+        "http://a b:1",
+        "http://a:1/?q=1",
+        "http://user:pw@a:1",
+        "::1:30000",
+    ],
+)
 def test_normalize_url_rejects_junk(junk):
     with pytest.raises(ValueError):
         normalize_url(junk)
@@ -446,8 +499,12 @@ async def test_static_discovery():
     assert d.kind == "static" and d.age_s() is None
     rec = Recorder()
     await d.start(rec)
-    assert rec.calls == [{"http://localhost:30000": Endpoint("http://localhost:30000"),
-                          "http://127.0.0.1:30001": Endpoint("http://127.0.0.1:30001")}]
+    assert rec.calls == [
+        {
+            "http://localhost:30000": Endpoint("http://localhost:30000"),
+            "http://127.0.0.1:30001": Endpoint("http://127.0.0.1:30001"),
+        }
+    ]
     assert list(rec.calls[0]) == ["http://localhost:30000", "http://127.0.0.1:30001"]  # order kept
     assert d.age_s() is not None and d.age_s() >= 0 and not d.is_stale() and d.last_error is None
     await d.stop()

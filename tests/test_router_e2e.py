@@ -75,16 +75,39 @@ def stack(tmp_path_factory):
     port, base = _free_port_pair(), _free_port_pair()
     logfile = open(tmp_path_factory.mktemp("stack") / "up.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "radixserve", "up", "--port", str(port), "--engine-base-port", str(base),
-         "--engines", "2", "--num-threads", "2", "--context-length", "2048", "--max-total-tokens", "8192"],
-        cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "radixserve",
+            "up",
+            "--port",
+            str(port),
+            "--engine-base-port",
+            str(base),
+            "--engines",
+            "2",
+            "--num-threads",
+            "2",
+            "--context-length",
+            "2048",
+            "--max-total-tokens",
+            "8192",
+        ],
+        cwd=ROOT,
+        stdout=logfile,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     router = f"http://127.0.0.1:{port}"
     engines = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
     try:
         _wait(lambda: httpx.get(router + "/health", timeout=2).status_code == 200, 60, "the router", proc)
-        _wait(lambda: all(w["state"] == "closed" for w in _workers(router).values()) and len(_workers(router)) == 2,
-              300, "both engines healthy behind the router", proc)
+        _wait(
+            lambda: all(w["state"] == "closed" for w in _workers(router).values()) and len(_workers(router)) == 2,
+            300,
+            "both engines healthy behind the router",
+            proc,
+        )
         yield {"router": router, "engines": engines, "base": base, "proc": proc, "log": logfile}
     finally:
         proc.send_signal(signal.SIGINT)
@@ -108,7 +131,8 @@ def test_openai_client_through_the_router(stack):
 
     client = OpenAI(base_url=stack["router"] + "/v1", api_key="none", max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16)
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16
+    )
     reply = raw.parse()
     assert reply.choices[0].message.content
     assert raw.headers["x-radixserve-worker"] in stack["engines"]
@@ -116,8 +140,11 @@ def test_openai_client_through_the_router(stack):
     assert raw.headers["x-request-id"]
 
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16,
-        stream=True)
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16,
+        stream=True,
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == reply.choices[0].message.content  # greedy (`up` defaults temperature to 0)
 
@@ -128,8 +155,10 @@ def test_openai_client_through_the_router(stack):
     system = "You are a terse geography tutor. " * 40
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Capital of Italy?"}]
     first = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=8)
-    msgs += [{"role": "assistant", "content": first.parse().choices[0].message.content},
-             {"role": "user", "content": "And of Spain?"}]
+    msgs += [
+        {"role": "assistant", "content": first.parse().choices[0].message.content},
+        {"role": "user", "content": "And of Spain?"},
+    ]
     second = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=8)
     assert second.headers["x-radixserve-worker"] == first.headers["x-radixserve-worker"]
     assert second.parse().usage.prompt_tokens_details.cached_tokens > 200
@@ -154,7 +183,8 @@ def test_killed_engine_is_ejected_then_readmitted(stack):
             i += 1
             try:
                 raw = client.completions.with_raw_response.create(
-                    model=MODEL, prompt=f"Request {worker}-{i}: count to five:", max_tokens=4)
+                    model=MODEL, prompt=f"Request {worker}-{i}: count to five:", max_tokens=4
+                )
                 raw.parse()
                 served_by.append(raw.headers["x-radixserve-worker"])
             except Exception as e:  # noqa: BLE001 - every failure is a test failure, reported below
@@ -190,8 +220,9 @@ def test_killed_engine_is_ejected_then_readmitted(stack):
     # Traffic reaches the re-admitted engine again.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        raw = client.completions.with_raw_response.create(model=MODEL, prompt=f"Probe {time.monotonic()}:",
-                                                          max_tokens=2)
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt=f"Probe {time.monotonic()}:", max_tokens=2
+        )
         if raw.headers["x-radixserve-worker"] == victim:
             break
     else:

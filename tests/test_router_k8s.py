@@ -42,8 +42,9 @@ async def test_router_follows_endpointslices(k8s):
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(ServerThread(engine_app(FakeEngine(tok), manage_engine=False))) for _ in range(2)]
         ports = [int(u.rsplit(":", 1)[1]) for u in urls]
-        args = RouterArgs(service_discovery=True, namespace=NS, service_name=SERVICE, health_interval_s=0.3,
-                          discovery_relist_s=5)
+        args = RouterArgs(
+            service_discovery=True, namespace=NS, service_name=SERVICE, health_interval_s=0.3, discovery_relist_s=5
+        )
         router = stack.enter_context(ServerThread(create_app(args)))
         async with httpx.AsyncClient(timeout=30) as client:
             body = await poll(client, router, lambda b: b["discovery"]["age_s"] is not None)

@@ -286,7 +286,9 @@ def test_every_policy_predicts_cached_tokens_from_what_it_sent(name):
     predicted = {d.worker: d.predicted_cached_tokens for d in policy.rank(key, idle(ws), 10)}
     assert predicted == {ws[0]: 0, ws[1]: 48, ws[2]: 0}
     policy.record(ws[1], key)
-    assert {d.worker: d.predicted_cached_tokens for d in policy.rank(key, idle(ws), 10)}[ws[1]] == 59  # 4 blocks = 64 tokens, capped at prompt - 1
+    assert {d.worker: d.predicted_cached_tokens for d in policy.rank(key, idle(ws), 10)}[
+        ws[1]
+    ] == 59  # 4 blocks = 64 tokens, capped at prompt - 1
     policy.forget_worker(ws[1])
     assert all(d.predicted_cached_tokens == 0 for d in policy.rank(key, idle(ws), 10))
 
@@ -354,8 +356,9 @@ def test_turn_n_plus_1_follows_turn_n_whenever_load_allows(extractor, system, co
     policy = make_policy("prefix_hash", balance_abs_tokens=slack)
     policy.set_workers(ws)
     sim = LoadModel(policy, ws, concurrency)
-    convs = [[{"role": "system", "content": f"Conversation {c}. " + sentence(rng, 40)}] if system else []
-             for c in range(16)]
+    convs = [
+        [{"role": "system", "content": f"Conversation {c}. " + sentence(rng, 40)}] if system else [] for c in range(16)
+    ]
     last: dict[int, str] = {}
     checked = stuck = 0
     for turn in range(4):

@@ -15,12 +15,18 @@ from radixserve.router.tokenizer import tokenizer_from_files
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a meticulous assistant for a travel agency. Answer in at most three sentences, cite prices in euros."
 TURNS = [
-    ("Which trains go from Paris to Lyon on a Sunday morning, and how long does the trip take?",
-     "TGV trains leave Paris Gare de Lyon roughly every hour from six in the morning; the trip takes two hours."),
-    ("And how much would a second class ticket cost if I book three weeks in advance?",
-     "Booked three weeks ahead, a second class ticket usually costs between 25 and 60 euros."),
-    ("Can I bring a bicycle on board, or does it have to travel separately in a bag?",
-     "Folded or bagged bicycles travel free as luggage; some TGVs also sell bicycle spaces for 10 euros."),
+    (
+        "Which trains go from Paris to Lyon on a Sunday morning, and how long does the trip take?",
+        "TGV trains leave Paris Gare de Lyon roughly every hour from six in the morning; the trip takes two hours.",
+    ),
+    (
+        "And how much would a second class ticket cost if I book three weeks in advance?",
+        "Booked three weeks ahead, a second class ticket usually costs between 25 and 60 euros.",
+    ),
+    (
+        "Can I bring a bicycle on board, or does it have to travel separately in a bag?",
+        "Folded or bagged bicycles travel free as luggage; some TGVs also sell bicycle spaces for 10 euros.",
+    ),
 ]
 
 
@@ -97,7 +103,11 @@ def test_chat_key_is_the_engines_prompt(ex, tok):
 
     messages = [
         {"role": "developer", "content": SYSTEM},
-        {"role": "user", "name": "ana", "content": [{"type": "text", "text": TURNS[0][0]}, {"type": "text", "text": "Thanks!"}]},
+        {
+            "role": "user",
+            "name": "ana",
+            "content": [{"type": "text", "text": TURNS[0][0]}, {"type": "text", "text": "Thanks!"}],
+        },
         {"role": "assistant", "content": TURNS[0][1]},
         {"role": "user", "content": TURNS[1][0]},
     ]
@@ -294,9 +304,18 @@ def test_huge_prompt_renders_and_tokenizes_only_what_blocks_can_reach(tok, endpo
     Only the first ``max_chars`` characters are tokenized; the blocks equal those of the full prompt and the rest of
     the prompt is estimated at 4 characters per token."""
     words = " ".join(f"w{i % 977}" for i in range(40_000))  # ~240k characters, ~3.5 chars per token
-    body = ({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": words},
-                          {"role": "assistant", "content": "ok"}, {"role": "user", "content": words}]}
-            if endpoint == "chat" else {"prompt": words * 2})
+    body = (
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": words},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": words},
+            ]
+        }
+        if endpoint == "chat"
+        else {"prompt": words * 2}
+    )
     small = PrefixKeyExtractor(block_tokens=16, prefix_blocks=4, max_blocks=64)
     small.set_tokenizer(MODEL, tok)
     unbounded = PrefixKeyExtractor(block_tokens=16, prefix_blocks=4, max_blocks=64)

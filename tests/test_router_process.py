@@ -23,9 +23,23 @@ def test_sigterm_ends_streams_with_an_error_event(tmp_path):
         port = free_port()
         log = open(tmp_path / "router.log", "w+")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve", "router", "--worker-urls", upstream, "--port", str(port),
-             "--health-interval-s", "0.5"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            [
+                sys.executable,
+                "-m",
+                "radixserve",
+                "router",
+                "--worker-urls",
+                upstream,
+                "--port",
+                str(port),
+                "--health-interval-s",
+                "0.5",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
@@ -41,8 +55,9 @@ def test_sigterm_ends_streams_with_an_error_event(tmp_path):
 
             def stream() -> None:
                 lines = []
-                with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                                  json={"prompt": "x", "max_tokens": 500, "stream": True}) as r:
+                with httpx.stream(
+                    "POST", url + "/v1/completions", timeout=60, json={"prompt": "x", "max_tokens": 500, "stream": True}
+                ) as r:
                     for line in r.iter_lines():
                         if line:
                             lines.append(line)

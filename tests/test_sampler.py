@@ -111,8 +111,12 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top():
         SamplingParams(temperature=1.0),
     ]
     out = run(
-        logits.clone(), params, outputs=[[1, 2], [3], []], prompts=[[4], [], []],
-        lp=[True, True, False], top=[5, 0, 3],
+        logits.clone(),
+        params,
+        outputs=[[1, 2], [3], []],
+        prompts=[[4], [], []],
+        lp=[True, True, False],
+        top=[5, 0, 3],
     )
     assert out.logprobs[2] is None
     for i in (0, 1):
@@ -238,7 +242,8 @@ def test_large_batch_with_penalties_runs():
     outputs = [torch.randint(0, vocab, (64,), generator=g).tolist() for _ in range(batch)]
     params = [
         SamplingParams(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.2)
-        if i % 2 == 0 else SamplingParams(temperature=0.0)
+        if i % 2 == 0
+        else SamplingParams(temperature=0.0)
         for i in range(batch)
     ]
     got = logits.clone()

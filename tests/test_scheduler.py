@@ -198,8 +198,9 @@ def test_sample_seeds_are_hashed_not_offset():
 
 def test_abort_frees_every_slot(engine, prompts):
     async def go():
-        req = GenerateRequest("to-abort", prompts[0], SamplingParams(max_new_tokens=500, temperature=0.0,
-                                                                      ignore_eos=True))
+        req = GenerateRequest(
+            "to-abort", prompts[0], SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
+        )
         gen = engine.generate(req)
         first = await gen.__anext__()
         assert not first.finished

@@ -24,8 +24,9 @@ def test_up_forwards_engine_flags_and_splits_threads():
     from radixserve.engine.config import engine_args_from_namespace
     from radixserve.launch.local_stack import engine_argv, split_threads
 
-    ns = build_parser().parse_args(["up", "--context-length", "2048", "--disable-radix-cache", "--engines", "3",
-                                    "--policy", "round_robin"])
+    ns = build_parser().parse_args(
+        ["up", "--context-length", "2048", "--disable-radix-cache", "--engines", "3", "--policy", "round_robin"]
+    )
     assert (ns.engines, ns.policy) == (3, "round_robin")
     argv = engine_argv(engine_args_from_namespace(ns), 30001, 2)
     assert argv[1:4] == ["-m", "radixserve", "engine"]

@@ -74,8 +74,11 @@ def test_chat_sync_and_stream_agree(client):
 
 def test_stop_string_never_leaks(client):
     kwargs = dict(
-        model=MODEL, messages=[{"role": "user", "content": "Repeat exactly: alpha beta gamma delta"}],
-        max_tokens=24, temperature=0, stop=["beta gamma"],
+        model=MODEL,
+        messages=[{"role": "user", "content": "Repeat exactly: alpha beta gamma delta"}],
+        max_tokens=24,
+        temperature=0,
+        stop=["beta gamma"],
     )
     full = client.chat.completions.create(**kwargs).choices[0]
     assert "beta gamma" not in full.message.content
@@ -85,7 +88,11 @@ def test_stop_string_never_leaks(client):
 
 def test_chat_logprobs_shapes(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, logprobs=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
         top_logprobs=2,
     )
     content = r.choices[0].logprobs.content
@@ -188,8 +195,11 @@ def test_out_of_range_seed_is_400_and_engine_survives(server, seed):
     url, engine = server
     r = httpx.post(url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2, "seed": seed}})
     assert r.status_code == 400 and r.json()["param"] == "seed", r.text
-    r = httpx.post(url + "/v1/chat/completions", timeout=60,
-                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": seed})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": seed},
+    )
     assert r.status_code == 400, r.text
     assert engine.is_healthy()
 
@@ -203,8 +213,16 @@ def test_largest_seed_with_n_samples_is_served(server):
     assert engine.is_healthy()
 
 
-@pytest.mark.parametrize("field,value", [("skip_special_tokens", None), ("skip_special_tokens", "yes"),
-                                         ("ignore_eos", "no"), ("no_stop_trim", None), ("regex", 5)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("skip_special_tokens", None),
+        ("skip_special_tokens", "yes"),
+        ("ignore_eos", "no"),
+        ("no_stop_trim", None),
+        ("regex", 5),
+    ],
+)
 def test_non_boolean_flags_are_400(server, field, value):
     url, engine = server
     body = {"text": "Hi", "sampling_params": {"max_new_tokens": 3, field: value}}
@@ -220,8 +238,11 @@ def test_lone_surrogate_is_400_everywhere(server):
         ("/v1/completions", {"model": MODEL, "prompt": bad, "max_tokens": 3}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ["ok", bad], "max_tokens": 3}, "prompt"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": bad}]}, "messages"),
-        ("/v1/chat/completions",
-         {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": bad}]}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": bad}]}]},
+            "messages",
+        ),
         ("/generate", {"text": bad, "sampling_params": {"max_new_tokens": 2}}, "text"),
     ]
     for path, body, param in cases:

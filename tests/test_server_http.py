@@ -13,8 +13,6 @@ from radixserve.engine.server.http import create_app
 MSGS = [{"role": "user", "content": "Say hello."}]
 
 
-
-
 def test_health(client, engine):
     assert client.get("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200
@@ -133,7 +131,9 @@ def test_client_disconnect_aborts_generation(tokenizer):
         # Streaming: read the first chunk, then drop the connection.
         with httpx.Client(base_url=url, timeout=30) as http:
             with http.stream(
-                "POST", "/v1/chat/completions", json={"messages": MSGS, "stream": True, "max_tokens": 1000},
+                "POST",
+                "/v1/chat/completions",
+                json={"messages": MSGS, "stream": True, "max_tokens": 1000},
                 headers={"x-request-id": "s1"},
             ) as r:
                 assert r.status_code == 200
@@ -142,8 +142,10 @@ def test_client_disconnect_aborts_generation(tokenizer):
         # Non-streaming: the client times out and closes the connection.
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
-                url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1000},
-                headers={"x-request-id": "n1"}, timeout=0.5,
+                url + "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 1000},
+                headers={"x-request-id": "n1"},
+                timeout=0.5,
             )
         assert wait_until(lambda: "n1" in engine.aborted), engine.aborted
         assert wait_until(lambda: not engine.running)

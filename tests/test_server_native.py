@@ -60,8 +60,13 @@ def test_max_new_tokens_zero(client, engine):
 def test_logprobs(client, engine):
     body = client.post(
         "/generate",
-        json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
-              "top_logprobs_num": 2, "return_text_in_logprobs": True},
+        json={
+            "input_ids": [3, 4],
+            "sampling_params": {"max_new_tokens": 3},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+        },
     ).json()
     m = body["meta_info"]
     assert [e[1] for e in m["output_token_logprobs"]] == body["output_ids"]

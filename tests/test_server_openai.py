@@ -12,8 +12,6 @@ MODEL = "smollm2-135m-instruct"
 MSGS = [{"role": "user", "content": "Say hello."}]
 
 
-
-
 def chat_ids(tokenizer, messages):
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(prompt, add_special_tokens=False)
@@ -117,9 +115,20 @@ def test_chat_tools_with_choice_none_are_ignored(client):
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "image"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            400,
+            "response_format.json_schema",
+        ),
         ({"response_format": {"type": "yaml"}}, 400, "response_format.type"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "unknown tool"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            400,
+            "unknown tool",
+        ),
         ({"tools": [{"type": "retrieval"}]}, 400, "function tool"),
         ({"tool_choice": "required"}, 400, "no tools"),
         ({"regex": "a+", "response_format": {"type": "json_object"}}, 400, "one output constraint"),
@@ -354,7 +363,7 @@ def test_completion_echo_text_offsets_continue_after_prompt(client):
         ({"best_of": 3}, 400, "best_of"),
         ({"model": "other"}, 404, "other"),
         ({"response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
-        ({"response_format": {"type": "json_object"}, "ebnf": "root ::= \"a\""}, 400, "one output constraint"),
+        ({"response_format": {"type": "json_object"}, "ebnf": 'root ::= "a"'}, 400, "one output constraint"),
     ],
 )
 def test_completion_invalid_requests(client, engine, patch, status, needle):
@@ -380,7 +389,9 @@ def test_preferred_sampling_params_fill_only_unset_fields(tokenizer):
     # Regression: `radixserve up` answered OpenAI clients that send no temperature at 1.0, where the demo model rambles.
     engine = FakeEngine(tokenizer, preferred_sampling_params='{"temperature": 0.2, "top_p": 0.9}')
     client = TestClient(create_app(engine, manage_engine=False), raise_server_exceptions=False)
-    assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 2}).status_code == 200
+    assert (
+        client.post("/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 2}).status_code == 200
+    )
     sp = engine.requests[-1].sampling_params
     assert (sp.temperature, sp.top_p) == (0.2, 0.9)
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 2, "temperature": 0.0, "top_p": 1.0}

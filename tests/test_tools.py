@@ -56,8 +56,10 @@ ADD = {
         "description": "Add two integers.",
         "parameters": {
             "type": "object",
-            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 100},
-                           "b": {"type": "integer", "minimum": 0, "maximum": 100}},
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 100},
+                "b": {"type": "integer", "minimum": 0, "maximum": 100},
+            },
             "required": ["a", "b"],
             "additionalProperties": False,
         },
@@ -146,10 +148,19 @@ def test_validate_tools_rejects_bad_parameter_schemas(params, needle):
 
 
 def test_validate_tools_accepts_object_schemas_with_type_implied():
-    ok = [{}, {"properties": {"a": {"type": ["string", "null"]}}}, {"type": "object", "properties": {
-        "a": {"type": "array", "items": [{"type": "integer"}], "minItems": 1},
-        "b": {"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.5}, "c": {"$ref": "#/$defs/c"}},
-        "$defs": {"c": {"anyOf": [{"type": "string"}, True]}}}]
+    ok = [
+        {},
+        {"properties": {"a": {"type": ["string", "null"]}}},
+        {
+            "type": "object",
+            "properties": {
+                "a": {"type": "array", "items": [{"type": "integer"}], "minItems": 1},
+                "b": {"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.5},
+                "c": {"$ref": "#/$defs/c"},
+            },
+            "$defs": {"c": {"anyOf": [{"type": "string"}, True]}},
+        },
+    ]
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": p}} for i, p in enumerate(ok)]
     fns = validate_tools(tools)
     assert [f["parameters"] for f in fns] == ok
@@ -172,8 +183,11 @@ def test_resolve_tool_choice():
     assert resolve_tool_choice(fns, named, as_auto=True) == ToolChoice("auto")
     assert resolve_tool_choice(fns, "required", as_auto=True) == ToolChoice("auto")
     assert resolve_tool_choice(fns, "none", as_auto=True) == ToolChoice("none")
-    for bad, param in [("sometimes", "tool_choice"), ({"type": "function", "function": {"name": "nope"}},
-                                                      "tool_choice.function.name"), ({"type": "function"}, "tool_choice")]:
+    for bad, param in [
+        ("sometimes", "tool_choice"),
+        ({"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
+        ({"type": "function"}, "tool_choice"),
+    ]:
         with pytest.raises(InvalidRequestError) as e:
             resolve_tool_choice(fns, bad)
         assert e.value.param == param
@@ -191,16 +205,24 @@ def test_call_schema_named_and_required():
     now_ok = {"name": "now", "arguments": {}}
     named = call_schema(fns, ToolChoice("named", "add"))
     jsonschema.validate(add_ok, named)
-    for bad in [weather_ok, {"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 1, "b": 101}},
-                {"name": "add"}, {"name": "add", "arguments": {"a": 1, "b": 2}, "extra": 1}]:
+    for bad in [
+        weather_ok,
+        {"name": "add", "arguments": {"a": 1}},
+        {"name": "add", "arguments": {"a": 1, "b": 101}},
+        {"name": "add"},
+        {"name": "add", "arguments": {"a": 1, "b": 2}, "extra": 1},
+    ]:
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, named)
     required = call_schema(fns, ToolChoice("required"))
     jsonschema.Draft202012Validator.check_schema(required)
     for ok in (weather_ok, add_ok, now_ok):
         jsonschema.validate(ok, required)
-    for bad in [{"name": "add", "arguments": {"city": "Paris", "unit": "celsius"}},  # a name with another's arguments
-                {"name": "other", "arguments": {}}, {"arguments": {"a": 1, "b": 2}}]:
+    for bad in [
+        {"name": "add", "arguments": {"city": "Paris", "unit": "celsius"}},  # a name with another's arguments
+        {"name": "other", "arguments": {}},
+        {"arguments": {"a": 1, "b": 2}},
+    ]:
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, required)
     single = call_schema(validate_tools([ADD]), ToolChoice("required"))
@@ -215,24 +237,49 @@ def test_call_schema_named_and_required():
 @pytest.mark.parametrize(
     "text, content, calls",
     [
-        ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', None, [("add", {"a": 1, "b": 2})]),
-        ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
-         '</tool_call>', "Let me check.", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
-        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_call>{"name": "now", '
-         '"arguments": {}}</tool_call>', None, [("add", {"a": 1, "b": 2}), ("now", {})]),
-        ('<tool_call>{"name": "add", "arguments": {"a": 5, "b": 6}}', None, [("add", {"a": 5, "b": 6})]),  # no close tag
+        (
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+            None,
+            [("add", {"a": 1, "b": 2})],
+        ),
+        (
+            'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+            "</tool_call>",
+            "Let me check.",
+            [("get_weather", {"city": "Paris", "unit": "celsius"})],
+        ),
+        (
+            '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_call>{"name": "now", '
+            '"arguments": {}}</tool_call>',
+            None,
+            [("add", {"a": 1, "b": 2}), ("now", {})],
+        ),
+        (
+            '<tool_call>{"name": "add", "arguments": {"a": 5, "b": 6}}',
+            None,
+            [("add", {"a": 5, "b": 6})],
+        ),  # no close tag
         ('<tool_call>{"name": "add", "parameters": {"a": 5, "b": 6}}</tool_call>', None, [("add", {"a": 5, "b": 6})]),
         ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 5}"}</tool_call>', None, [("add", {"a": 5})]),
         ('  {"name": "now", "arguments": {}}  ', None, [("now", {})]),  # bare JSON
         ('```json\n{"name": "now", "arguments": {}}\n```', None, [("now", {})]),
-        ('[{"name": "now", "arguments": {}}, {"name": "add", "arguments": {"a": 0, "b": 0}}]', None,
-         [("now", {}), ("add", {"a": 0, "b": 0})]),
+        (
+            '[{"name": "now", "arguments": {}}, {"name": "add", "arguments": {"a": 0, "b": 0}}]',
+            None,
+            [("now", {}), ("add", {"a": 0, "b": 0})],
+        ),
         # not calls: plain text, unknown tool, broken JSON, JSON that is not a call, non-object arguments
         ("The weather is sunny.", "The weather is sunny.", []),
-        ('<tool_call>{"name": "launch", "arguments": {}}</tool_call>', '<tool_call>{"name": "launch", "arguments": {}}'
-         '</tool_call>', []),
-        ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', '<tool_call>{"name": "add", "arguments": {"a": '
-         '</tool_call>', []),
+        (
+            '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',
+            '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',
+            [],
+        ),
+        (
+            '<tool_call>{"name": "add", "arguments": {"a": </tool_call>',
+            '<tool_call>{"name": "add", "arguments": {"a": </tool_call>',
+            [],
+        ),
         ('{"city": "Paris"}', '{"city": "Paris"}', []),
         ('{"name": "add", "arguments": [1, 2]}', '{"name": "add", "arguments": [1, 2]}', []),
         ("{not json", "{not json", []),
@@ -383,7 +430,10 @@ def test_render_tool_turns_without_template_support(tokenizer):
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "3"}]},
     ]
     prompt = render_prompt(tokenizer, chat_req(messages))
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>' in prompt
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>'
+        in prompt
+    )
     assert "<|im_start|>tool\n3<|im_end|>" in prompt
 
 
@@ -392,7 +442,11 @@ def test_render_with_template_tool_support(tool_tokenizer):
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "1+2"}, {"type": "text", "text": "?"}]},
         {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "3"}, {"type": "text", "text": "!"}]},
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": [{"type": "text", "text": "3"}, {"type": "text", "text": "!"}],
+        },
     ]
     fns = validate_tools(TOOLS)
     prompt = render_prompt(tool_tokenizer, chat_req(messages), RenderOptions(functions=fns))
@@ -407,8 +461,10 @@ def test_render_with_template_tool_support(tool_tokenizer):
 
 
 def test_render_tool_message_with_non_text_parts_is_refused(tool_tokenizer):
-    messages = [*MSGS, {"role": "tool", "tool_call_id": "call_1",
-                                "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    messages = [
+        *MSGS,
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+    ]
     with pytest.raises(InvalidRequestError, match="image"):
         render_prompt(tool_tokenizer, chat_req(messages), RenderOptions(flatten_tool_content=True))
 
@@ -428,9 +484,16 @@ def chat(client, **body):
 @pytest.mark.parametrize(
     "patch, field, value",
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER["function"]["parameters"],
-                                                                      "strict": True}}},
-         "json_schema", json.dumps(WEATHER["function"]["parameters"])),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "w", "schema": WEATHER["function"]["parameters"], "strict": True},
+                }
+            },
+            "json_schema",
+            json.dumps(WEATHER["function"]["parameters"]),
+        ),
         ({"response_format": {"type": "json_object"}}, "json_schema", '{"type": "object"}'),
         ({"json_schema": {"type": "integer"}}, "json_schema", '{"type": "integer"}'),
         ({"json_schema": '{"type": "integer"}'}, "json_schema", '{"type": "integer"}'),
@@ -508,8 +571,12 @@ def test_required_tool_choice_constrains_and_returns_tool_calls(tokenizer):
 
 def test_named_tool_choice_schema_and_n(tokenizer):
     engine, client = make_client(tokenizer)
-    engine.set_outputs(['{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
-                        '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "fahrenheit"}}'])
+    engine.set_outputs(
+        [
+            '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+            '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "fahrenheit"}}',
+        ]
+    )
     r = chat(client, tools=TOOLS, n=2, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert r.status_code == 200, r.text
     schema = json.loads(engine.requests[0].sampling_params.json_schema)
@@ -541,8 +608,9 @@ FOO_TOOL = {"type": "function", "function": {"name": "x", "parameters": {"type":
 
 
 @pytest.mark.parametrize("tool", [ARRAY_TOOL, FOO_TOOL])
-@pytest.mark.parametrize("tool_choice", ["required", "auto", "none", None,
-                                         {"type": "function", "function": {"name": "x"}}])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", "auto", "none", None, {"type": "function", "function": {"name": "x"}}]
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_tool_parameters_are_400_in_every_mode(tokenizer, tool, tool_choice, stream):
     # Regression (findings 1, 2): "required" with an array schema returned no call; {"type": "foo"} was accepted
@@ -600,10 +668,13 @@ def grammar_backend(tokenizer):
     backend.shutdown()
 
 
-@pytest.mark.parametrize("prop", [
-    {"type": "string", "pattern": "(a"},  # structurally fine, refused by the grammar compiler
-    {"type": "integer", "minimum": 5, "maximum": 1},
-])
+@pytest.mark.parametrize(
+    "prop",
+    [
+        {"type": "string", "pattern": "(a"},  # structurally fine, refused by the grammar compiler
+        {"type": "integer", "minimum": 5, "maximum": 1},
+    ],
+)
 def test_forced_call_real_compile_error_names_the_tool(tokenizer, grammar_backend, prop):
     engine, client = make_client(tokenizer)
     engine.grammar_backend = grammar_backend
@@ -628,11 +699,17 @@ def test_forced_call_real_compile_error_names_the_tool(tokenizer, grammar_backen
 @pytest.mark.parametrize(
     "reply, content, calls",
     [
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>', None,
-         [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+            None,
+            [("get_weather", {"city": "Paris", "unit": "celsius"})],
+        ),
         ("It is sunny in Paris.", "It is sunny in Paris.", []),
-        ('Checking. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>', "Checking.",
-         [("add", {"a": 1, "b": 1})]),
+        (
+            'Checking. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>',
+            "Checking.",
+            [("add", {"a": 1, "b": 1})],
+        ),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
@@ -647,8 +724,11 @@ def test_auto_tool_choice_parses_calls(tokenizer, reply, content, calls, stream)
         chunks = sse_payloads(r.text)
         deltas = [c["choices"][0]["delta"] for c in chunks]
         got_content = "".join(d.get("content", "") for d in deltas) or None
-        got_calls = [(t["function"]["name"], json.loads(t["function"]["arguments"]))
-                     for d in deltas for t in d.get("tool_calls", [])]
+        got_calls = [
+            (t["function"]["name"], json.loads(t["function"]["arguments"]))
+            for d in deltas
+            for t in d.get("tool_calls", [])
+        ]
         assert all(t["index"] == i for d in deltas for i, t in enumerate(d.get("tool_calls", [])))
         finish = chunks[-1]["choices"][0]["finish_reason"]
         if got_content is not None:
@@ -676,8 +756,11 @@ def test_tool_choice_none_ignores_tools(tokenizer):
 def test_tool_conversation_through_the_template(tokenizer):
     engine, client = make_client(tokenizer)
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
-    messages = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    messages = [
+        *MSGS,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]
     r = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "max_tokens": 2})
     assert r.status_code == 200, r.text
     text = tokenizer.decode(engine.requests[0].input_ids)
@@ -688,26 +771,41 @@ _CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "argume
 
 
 def _with_call(fn):
-    return [*MSGS, {"role": "assistant", "content": None, "tool_calls": [{**_CALL, "function": fn}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    return [
+        *MSGS,
+        {"role": "assistant", "content": None, "tool_calls": [{**_CALL, "function": fn}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]
 
 
 @pytest.mark.parametrize(
     "messages, param",
     [
-        ([*MSGS, {"role": "assistant", "tool_calls": [_CALL]}, {"role": "tool", "content": "3"}],
-         "messages[2].tool_call_id"),
-        ([*MSGS, {"role": "assistant", "tool_calls": [_CALL]}, {"role": "tool", "tool_call_id": "call_1",
-                                                                 "content": None}], "messages[2].content"),
-        ([*MSGS, {"role": "assistant", "tool_calls": [_CALL]}, {"role": "tool", "tool_call_id": "call_1"}],
-         "messages[2].content"),
+        (
+            [*MSGS, {"role": "assistant", "tool_calls": [_CALL]}, {"role": "tool", "content": "3"}],
+            "messages[2].tool_call_id",
+        ),
+        (
+            [
+                *MSGS,
+                {"role": "assistant", "tool_calls": [_CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": None},
+            ],
+            "messages[2].content",
+        ),
+        (
+            [*MSGS, {"role": "assistant", "tool_calls": [_CALL]}, {"role": "tool", "tool_call_id": "call_1"}],
+            "messages[2].content",
+        ),
         (_with_call({"name": "add"}), "messages[1].tool_calls[0].function.arguments"),
         (_with_call({"arguments": "{}"}), "messages[1].tool_calls[0].function.name"),
         (_with_call({"name": "", "arguments": "{}"}), "messages[1].tool_calls[0].function.name"),
         (_with_call({"name": "add", "arguments": "{'a': 1}"}), "messages[1].tool_calls[0].function.arguments"),
         (_with_call({"name": "add", "arguments": 3}), "messages[1].tool_calls[0].function.arguments"),
-        ([*MSGS, {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function"}]}],
-         "messages[1].tool_calls[0].function"),
+        (
+            [*MSGS, {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function"}]}],
+            "messages[1].tool_calls[0].function",
+        ),
     ],
 )
 @pytest.mark.parametrize("tools", [TOOLS, None])
@@ -721,12 +819,14 @@ def test_malformed_tool_messages_are_400(tokenizer, messages, param, tools):
 
 def test_well_formed_tool_messages_pass(tokenizer):
     engine, client = make_client(tokenizer)
-    for fn in ({"name": "add", "arguments": '{"a": 1, "b": 2}'}, {"name": "add", "arguments": {"a": 1, "b": 2}},
-               {"name": "now", "arguments": "{}"}):
+    for fn in (
+        {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+        {"name": "add", "arguments": {"a": 1, "b": 2}},
+        {"name": "now", "arguments": "{}"},
+    ):
         messages = _with_call(fn)
         messages[-1]["content"] = ""  # empty (not null) content is a result
-        r = client.post("/v1/chat/completions", json={"messages": messages, "tools": [*TOOLS, NOARGS],
-                                                      "max_tokens": 2})
+        r = client.post("/v1/chat/completions", json={"messages": messages, "tools": [*TOOLS, NOARGS], "max_tokens": 2})
         assert r.status_code == 200, r.text
 
 
@@ -768,8 +868,9 @@ def test_openai_client_parses_tool_call_stream(tokenizer):
         assert json.loads(scall.function.arguments) == {"city": "Paris", "unit": "celsius"}
         assert final.choices[0].finish_reason == "tool_calls"
         # raw chunks too
-        chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice=named,
-                                                     stream=True))
+        chunks = list(
+            client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice=named, stream=True)
+        )
         tcs = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
         assert len(tcs) == 1 and tcs[0].index == 0 and tcs[0].function.name == "get_weather"
 
@@ -809,9 +910,15 @@ def test_tool_choice_as_auto_switch(tokenizer):
 
 
 def test_flatten_tool_content_switch(tool_tokenizer):
-    messages = [*MSGS, {"role": "assistant", "content": "ok"},
-                {"role": "tool", "tool_call_id": "call_1",
-                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    messages = [
+        *MSGS,
+        {"role": "assistant", "content": "ok"},
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+        },
+    ]
     for flatten in (False, True):
         engine, client = make_client(tool_tokenizer, flatten_tool_content=flatten)
         assert client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).status_code == 200
@@ -821,8 +928,15 @@ def test_flatten_tool_content_switch(tool_tokenizer):
 
 
 def test_accept_bare_image_url_switch(tokenizer):
-    bare = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
-                                         {"type": "image_url", "image_url": "https://example.com/cat.png"}]}]
+    bare = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": "https://example.com/cat.png"},
+            ],
+        }
+    ]
     engine, client = make_client(tokenizer)
     body = assert_error(client.post("/v1/chat/completions", json={"messages": bare}), 400, "bare string")
     assert body["param"] == "messages[0].content[1].image_url"
@@ -892,8 +1006,12 @@ def test_reasoning_parser_switch(tokenizer, stream):
 
 def test_reasoning_then_tool_call(tokenizer):
     engine, client = make_client(tokenizer, reasoning_parser="think")
-    engine.set_outputs(['<think>Need the weather.</think>\n<tool_call>{"name": "get_weather", "arguments": '
-                        '{"city": "Rome", "unit": "celsius"}}</tool_call>'])
+    engine.set_outputs(
+        [
+            '<think>Need the weather.</think>\n<tool_call>{"name": "get_weather", "arguments": '
+            '{"city": "Rome", "unit": "celsius"}}</tool_call>'
+        ]
+    )
     msg = chat(client, tools=TOOLS).json()["choices"][0]["message"]
     assert msg["reasoning_content"] == "Need the weather." and msg["content"] is None
     assert msg["tool_calls"][0]["function"]["name"] == "get_weather"
@@ -907,13 +1025,36 @@ def test_switch_flags_parse():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     off = engine_args_from_namespace(p.parse_args([]))
-    assert (off.default_chat_max_tokens, off.tool_choice_as_auto, off.flatten_tool_content, off.accept_bare_image_url,
-            off.stream_error_preflight, off.reasoning_parser) == (None, False, False, False, False, None)
-    on = engine_args_from_namespace(p.parse_args([
-        "--default-chat-max-tokens", "256", "--tool-choice-as-auto", "--flatten-tool-content",
-        "--accept-bare-image-url", "--stream-error-preflight", "--reasoning-parser", "think"]))
-    assert on == EngineArgs(default_chat_max_tokens=256, tool_choice_as_auto=True, flatten_tool_content=True,
-                            accept_bare_image_url=True, stream_error_preflight=True, reasoning_parser="think")
+    assert (
+        off.default_chat_max_tokens,
+        off.tool_choice_as_auto,
+        off.flatten_tool_content,
+        off.accept_bare_image_url,
+        off.stream_error_preflight,
+        off.reasoning_parser,
+    ) == (None, False, False, False, False, None)
+    on = engine_args_from_namespace(
+        p.parse_args(
+            [
+                "--default-chat-max-tokens",
+                "256",
+                "--tool-choice-as-auto",
+                "--flatten-tool-content",
+                "--accept-bare-image-url",
+                "--stream-error-preflight",
+                "--reasoning-parser",
+                "think",
+            ]
+        )
+    )
+    assert on == EngineArgs(
+        default_chat_max_tokens=256,
+        tool_choice_as_auto=True,
+        flatten_tool_content=True,
+        accept_bare_image_url=True,
+        stream_error_preflight=True,
+        reasoning_parser="think",
+    )
     with pytest.raises(SystemExit):
         p.parse_args(["--reasoning-parser", "nope"])
 
@@ -954,8 +1095,12 @@ def oai(real_server):
     return openai.OpenAI(base_url=real_server + "/v1", api_key="none", timeout=300, max_retries=0)
 
 
-PROMPTS = ["What's the weather like in Paris?", "Please add 12 and 30.", "Is it cold in Oslo right now?",
-           "Tell me a joke."]
+PROMPTS = [
+    "What's the weather like in Paris?",
+    "Please add 12 and 30.",
+    "Is it cold in Oslo right now?",
+    "Tell me a joke.",
+]
 
 
 @pytest.mark.slow
@@ -965,8 +1110,15 @@ def test_real_model_required_and_named_tool_calls_are_valid(oai):
     for i, prompt in enumerate(PROMPTS):
         for j, choice in enumerate(("required", {"type": "function", "function": {"name": "add"}})):
             for stream in [(i + j) % 2 == 1]:  # half of the requests streamed (2 cores: keep it short)
-                kw = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], tools=TOOLS, tool_choice=choice,
-                          max_tokens=96, temperature=0.7, seed=i)
+                kw = dict(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": prompt}],
+                    tools=TOOLS,
+                    tool_choice=choice,
+                    max_tokens=96,
+                    temperature=0.7,
+                    seed=i,
+                )
                 if stream:
                     with oai.chat.completions.stream(**kw) as s:
                         for _ in s:
@@ -985,24 +1137,46 @@ def test_real_model_required_and_named_tool_calls_are_valid(oai):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_real_model_response_formats_parse(oai):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                               "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
-                                                          "maxItems": 3}},
-              "required": ["name", "age", "colors"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 30},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "colors"],
+        "additionalProperties": False,
+    }
     for i, prompt in enumerate(["Describe a person as JSON.", "Give me a user profile."]):
         r = oai.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=96, temperature=0.8, seed=i,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}},
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=96,
+            temperature=0.8,
+            seed=i,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": schema, "strict": True},
+            },
         )
         assert r.choices[0].finish_reason == "stop", r.choices[0]
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
-    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object."}],
-                                    max_tokens=96, temperature=0, response_format={"type": "json_object"})
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give me a JSON object."}],
+        max_tokens=96,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
-    r = oai.completions.create(model=MODEL, prompt="Today's date is ", max_tokens=16, temperature=0.5,
-                               extra_body={"regex": r"\d{4}-\d{2}-\d{2}"})
+    r = oai.completions.create(
+        model=MODEL,
+        prompt="Today's date is ",
+        max_tokens=16,
+        temperature=0.5,
+        extra_body={"regex": r"\d{4}-\d{2}-\d{2}"},
+    )
     import re
 
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.choices[0].text)

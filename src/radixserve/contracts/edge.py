@@ -47,8 +47,14 @@ class EdgeMiddleware:
     - Unhandled exceptions → 500 with the OpenAI error body (logged, no traceback to the client).
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None, open_paths: Collection[str],
-                 on_reply: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        api_key: str | None,
+        open_paths: Collection[str],
+        on_reply: Callable[[int], None] | None = None,
+    ):
         self.app = app
         self.open_paths = frozenset(open_paths)
         self.max_body_bytes = max_body_bytes
@@ -129,8 +135,9 @@ class EdgeMiddleware:
         try:
             await self.app(scope, app_receive, send_with_id)
         except Exception:
-            logger.exception("unhandled error on %s %s (request %s)", scope.get("method"), scope.get("path"),
-                             request_id)
+            logger.exception(
+                "unhandled error on %s %s (request %s)", scope.get("method"), scope.get("path"), request_id
+            )
             if started:
                 raise  # the response is under way; let the server drop the connection
             await reply(500, "internal server error")

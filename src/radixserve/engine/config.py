@@ -90,16 +90,16 @@ HELP: dict[str, str] = {
     "log_level": "log level: debug, info, warning or error",
     "warmup": "run a warmup forward pass before serving (--no-warmup: skip it)",
     "preferred_sampling_params": "JSON object of sampling defaults for fields a request leaves unset, "
-                                 "e.g. '{\"temperature\": 0.2}'",
+    "e.g. '{\"temperature\": 0.2}'",
     "default_chat_max_tokens": "compatibility: chat max_tokens when a request sends none (default: all the room "
-                               "left in the context)",
+    "left in the context)",
     "tool_choice_as_auto": "compatibility: serve tool_choice 'required' or a named function as 'auto' (no "
-                           "constrained call)",
+    "constrained call)",
     "flatten_tool_content": "compatibility: join a tool message's text parts into one string for the chat template",
     "accept_bare_image_url": "compatibility: accept image_url given as a bare string (still refused by a text-only "
-                             "model)",
+    "model)",
     "stream_error_preflight": "compatibility: an engine abort on a stream's first output is an HTTP error, not an "
-                              "SSE error event",
+    "SSE error event",
     "reasoning_parser": "move <think>...</think> text to reasoning_content (think); default: no parsing",
 }
 

@@ -28,8 +28,15 @@ RECENT_OUTPUT_S = 5.0
 
 
 # Sampling fields a deployment may default (--preferred-sampling-params); the rest are per-request only.
-DEFAULTABLE_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                               "repetition_penalty")
+DEFAULTABLE_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def parse_sampling_defaults(text: str | None) -> dict[str, Any]:
@@ -44,8 +51,9 @@ def parse_sampling_defaults(text: str | None) -> dict[str, Any]:
         raise ValueError("--preferred-sampling-params must be a JSON object")
     unknown = sorted(set(d) - set(DEFAULTABLE_SAMPLING_FIELDS))
     if unknown:
-        raise ValueError(f"--preferred-sampling-params: unsupported fields {unknown}; "
-                         f"allowed: {list(DEFAULTABLE_SAMPLING_FIELDS)}")
+        raise ValueError(
+            f"--preferred-sampling-params: unsupported fields {unknown}; allowed: {list(DEFAULTABLE_SAMPLING_FIELDS)}"
+        )
     SamplingParams(**d).validate(vocab_size=1 << 30)
     return d
 
@@ -106,8 +114,7 @@ class Engine:
         self.metrics = EngineMetrics(self.served_model_name)
         # Constrained decoding: grammars compile on the backend's own thread; requests wait for theirs in
         # ``generate`` (the grammar queue) and reach the scheduler only once compiled.
-        self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                              metrics=self.metrics)
+        self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, metrics=self.metrics)
         self._grammar_queue = 0  # requests waiting for their grammar (event-loop threads; approximate)
         self.scheduler = self._torch_thread.submit(
             Scheduler,
@@ -130,8 +137,14 @@ class Engine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._started = False
         self._shutting_down = False
-        logger.info("engine loaded %s in %.1f s (dtype %s, KV pool %d tokens, context %d)", args.model_path,
-                    time.monotonic() - t0, self.runner.dtype, self.runner.max_total_tokens, self.context_length)
+        logger.info(
+            "engine loaded %s in %.1f s (dtype %s, KV pool %d tokens, context %d)",
+            args.model_path,
+            time.monotonic() - t0,
+            self.runner.dtype,
+            self.runner.max_total_tokens,
+            self.context_length,
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -182,10 +195,12 @@ class Engine:
             raise InvalidRequestError("engine is not ready or is shutting down", status_code=503)
         if self.num_queued() >= self.args.max_queued_requests:
             raise InvalidRequestError(
-                f"too many queued requests (max {self.args.max_queued_requests}); retry later", status_code=429)
+                f"too many queued requests (max {self.args.max_queued_requests}); retry later", status_code=429
+            )
         if req.sampling_params.n > self.args.max_running_requests:
             raise InvalidRequestError(
-                f"n={req.sampling_params.n} exceeds max running requests {self.args.max_running_requests}", "n")
+                f"n={req.sampling_params.n} exceeds max running requests {self.args.max_running_requests}", "n"
+            )
         if req.rid in self._streams:
             raise InvalidRequestError(f"request id {req.rid!r} is already in flight", "rid")
         if not req.arrival_time:

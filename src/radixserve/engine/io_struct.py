@@ -91,7 +91,11 @@ class SamplingParams:
             bad("temperature", "must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+        if (
+            not isinstance(self.top_k, int)
+            or isinstance(self.top_k, bool)
+            or (self.top_k < 1 and self.top_k not in (-1, 0))
+        ):
             bad("top_k", "must be -1 (disabled) or >= 1")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")

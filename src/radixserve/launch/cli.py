@@ -49,23 +49,33 @@ def build_parser() -> argparse.ArgumentParser:
     p_router = sub.add_parser("router", help="run the cache-aware router in front of engines")
     add_router_args(p_router)
     p_up = sub.add_parser(
-        "up", help=f"run the local stack (router on {constants.PUBLIC_HOST}:{constants.PUBLIC_PORT} + engines)",
+        "up",
+        help=f"run the local stack (router on {constants.PUBLIC_HOST}:{constants.PUBLIC_PORT} + engines)",
         description="--host/--port/--api-key/--log-level/--max-request-body-bytes apply to the router (the public "
         "endpoint); every other engine flag is passed to each engine.",
     )
     add_engine_args(p_up)
     p_up.add_argument("--engines", type=int, default=2, help="engine processes behind the router (default 2)")
-    p_up.add_argument("--engine-base-port", type=int, default=constants.ENGINE_PORT,
-                      help="port of the first engine; the others take the next ports")
+    p_up.add_argument(
+        "--engine-base-port",
+        type=int,
+        default=constants.ENGINE_PORT,
+        help="port of the first engine; the others take the next ports",
+    )
     p_up.add_argument("--policy", choices=POLICIES, default="prefix_hash", help="routing policy")
     # At OpenAI's default temperature 1.0 the 4-bit 135M demo model rambles (see DEMO_MODEL_SAMPLING_DEFAULTS);
     # requests that set temperature still get what they ask for.
-    p_up.set_defaults(host=constants.PUBLIC_HOST, port=constants.PUBLIC_PORT, model_path=constants.DEMO_MODEL_DIR,
-                      preferred_sampling_params=constants.DEMO_MODEL_SAMPLING_DEFAULTS)
+    p_up.set_defaults(
+        host=constants.PUBLIC_HOST,
+        port=constants.PUBLIC_PORT,
+        model_path=constants.DEMO_MODEL_DIR,
+        preferred_sampling_params=constants.DEMO_MODEL_SAMPLING_DEFAULTS,
+    )
     from radixserve.operator.main import add_operator_args
 
     p_operator = sub.add_parser(
-        "operator", help="run the Kubernetes operator (reconciles radixserve.io InferenceServices)",
+        "operator",
+        help="run the Kubernetes operator (reconciles radixserve.io InferenceServices)",
         description="Run the kopf operator: watches InferenceServices (--namespace NS ... or --all-namespaces) and "
         "keeps their engine/router children, autoscaler, disruption budget and status in step. Serves /metrics and "
         "/healthz on --metrics-port (radixserve's own endpoint, not kopf's liveness probe). Credentials: the "
@@ -96,6 +106,7 @@ def run_engine(args: "EngineArgs") -> int:  # noqa: F821 - imported lazily (torc
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5
     )
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Abort in-flight requests at once (clients get an OpenAI-format 503 or a stream error event) instead
@@ -117,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ns = build_parser().parse_args(argv)
     if not isinstance(logging.getLevelName(str(ns.log_level).upper()), int):
-        print(f"radixserve {ns.command}: --log-level must be one of debug, info, warning, error, critical; got "
-              f"{ns.log_level!r}", file=sys.stderr)
+        print(
+            f"radixserve {ns.command}: --log-level must be one of debug, info, warning, error, critical; got "
+            f"{ns.log_level!r}",
+            file=sys.stderr,
+        )
         return 2
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
@@ -172,8 +186,12 @@ def run_up(engine_args: "EngineArgs", ns: argparse.Namespace) -> int:  # noqa: F
     from radixserve.router.config import RouterArgs
 
     router_args = RouterArgs(
-        host=engine_args.host, port=engine_args.port, policy=ns.policy, api_key=engine_args.api_key,
-        engine_api_key=engine_args.api_key, log_level=engine_args.log_level,
+        host=engine_args.host,
+        port=engine_args.port,
+        policy=ns.policy,
+        api_key=engine_args.api_key,
+        engine_api_key=engine_args.api_key,
+        log_level=engine_args.log_level,
         max_request_body_bytes=engine_args.max_request_body_bytes,
     )
     engine_args.model_path = resolve_model_path(engine_args.model_path)

@@ -33,8 +33,18 @@ def engine_argv(args: "EngineArgs", port: int, num_threads: int) -> list[str]:
     its default, plus this engine's port and thread count."""
     from radixserve.engine.config import EngineArgs
 
-    argv = [sys.executable, "-m", "radixserve", "engine", "--host", "127.0.0.1", "--port", str(port),
-            "--num-threads", str(num_threads)]
+    argv = [
+        sys.executable,
+        "-m",
+        "radixserve",
+        "engine",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-threads",
+        str(num_threads),
+    ]
     defaults = EngineArgs()
     for f in dataclasses.fields(EngineArgs):
         value = getattr(args, f.name)
@@ -64,8 +74,10 @@ def check_ports_free(ports: list[tuple[str, int]]) -> None:
             try:
                 s.bind((host, port))
             except OSError as e:
-                raise ValueError(f"port {port} on {host} is not free ({e.strerror}); stop what uses it or pick "
-                                 f"other ports (--port, --engine-base-port)") from e
+                raise ValueError(
+                    f"port {port} on {host} is not free ({e.strerror}); stop what uses it or pick "
+                    f"other ports (--port, --engine-base-port)"
+                ) from e
 
 
 def split_threads(total: int | None, engines: int) -> int:
@@ -113,8 +125,7 @@ class EngineSupervisor:
             for i, proc in enumerate(self.procs):
                 if proc is None or proc.poll() is None:
                     continue
-                logger.warning("engine %d exited with status %s; restarting in %.0f s", i, proc.returncode,
-                               backoff[i])
+                logger.warning("engine %d exited with status %s; restarting in %.0f s", i, proc.returncode, backoff[i])
                 if self._stopping.wait(backoff[i]):
                     return
                 backoff[i] = min(backoff[i] * 2, 30.0)

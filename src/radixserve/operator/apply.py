@@ -123,8 +123,9 @@ class KubeApi:
         self.retry = retry
 
     @staticmethod
-    def path(rtype: ResourceType, namespace: str | None, name: str | None = None,
-             subresource: str | None = None) -> str:
+    def path(
+        rtype: ResourceType, namespace: str | None, name: str | None = None, subresource: str | None = None
+    ) -> str:
         """The REST path: ``/api/v1/...`` for the core group, ``/apis/GROUP/VERSION/...`` otherwise."""
         base = "/api/v1" if rtype.api_version == "v1" else f"/apis/{rtype.api_version}"
         if rtype.namespaced and namespace:
@@ -136,14 +137,27 @@ class KubeApi:
             base += f"/{subresource}"
         return base
 
-    def request(self, method: str, path: str, *, body: Any = None, query: list[tuple[str, str]] | None = None,
-                content_type: str = "application/json") -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
         """One HTTP call; the decoded JSON answer. Raises ApiException on a non-2xx status."""
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
-        req = self.client.param_serialize(method=method, resource_path=path, query_params=query or [],
-                                          header_params=headers, body=body, auth_settings=["BearerToken"])
+        req = self.client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
         resp = self.client.call_api(*req, _request_timeout=30)
         resp.read()
         if not 200 <= resp.status <= 299:
@@ -159,7 +173,7 @@ class KubeApi:
             except (ApiException, Urllib3Error, OSError) as exc:
                 if not _retryable(exc) or attempt == self.retry.attempts - 1:
                     raise kopf.TemporaryError(f"{what}: {_describe(exc)}", delay=self.retry.handler_delay_s) from exc
-                delay = min(self.retry.max_delay_s, self.retry.base_delay_s * 2 ** attempt)
+                delay = min(self.retry.max_delay_s, self.retry.base_delay_s * 2**attempt)
                 log.info("%s: %s; retrying in %.1f s", what, _describe(exc), delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")
@@ -179,26 +193,47 @@ class KubeApi:
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         answer = self.request("GET", self.path(rtype, namespace), query=[("labelSelector", selector)])
         items = (answer or {}).get("items") or []
-        return [item for item in items
-                if all((item.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in labels.items())]
+        return [
+            item
+            for item in items
+            if all((item.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in labels.items())
+        ]
 
-    def create(self, rtype: ResourceType, namespace: str | None, body: dict[str, Any], *,
-               dry_run: bool = False) -> dict[str, Any]:
+    def create(
+        self, rtype: ResourceType, namespace: str | None, body: dict[str, Any], *, dry_run: bool = False
+    ) -> dict[str, Any]:
         """POST; ``dry_run``: ``?dryRun=All`` (validated, admitted and authorised, not persisted)."""
         return self.request("POST", self.path(rtype, namespace), body=body, query=DRY_RUN if dry_run else None)
 
-    def merge_patch(self, rtype: ResourceType, namespace: str | None, name: str, patch: dict[str, Any],
-                    subresource: str | None = None, *, dry_run: bool = False) -> dict[str, Any]:
+    def merge_patch(
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        name: str,
+        patch: dict[str, Any],
+        subresource: str | None = None,
+        *,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
         """PATCH (JSON merge patch); ``dry_run`` as for ``create``."""
-        return self.request("PATCH", self.path(rtype, namespace, name, subresource), body=patch,
-                            content_type=MERGE_PATCH, query=DRY_RUN if dry_run else None)
+        return self.request(
+            "PATCH",
+            self.path(rtype, namespace, name, subresource),
+            body=patch,
+            content_type=MERGE_PATCH,
+            query=DRY_RUN if dry_run else None,
+        )
 
     def delete(self, rtype: ResourceType, namespace: str | None, name: str, *, dry_run: bool = False) -> None:
         """Delete with background propagation (the garbage collector removes what the object owns); a 404 is
         success. ``dry_run`` as for ``create``."""
         try:
-            self.request("DELETE", self.path(rtype, namespace, name), query=DRY_RUN if dry_run else None,
-                         body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"})
+            self.request(
+                "DELETE",
+                self.path(rtype, namespace, name),
+                query=DRY_RUN if dry_run else None,
+                body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+            )
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -239,9 +274,10 @@ def subset_equal(desired: Any, live: Any, path: tuple[str, ...] = ()) -> bool:
             return True
         if not isinstance(live, dict):
             return False
-        return all(is_empty(value) and live.get(key) is None
-                   or key in live and subset_equal(value, live[key], (*path, key))
-                   for key, value in desired.items())
+        return all(
+            is_empty(value) and live.get(key) is None or key in live and subset_equal(value, live[key], (*path, key))
+            for key, value in desired.items()
+        )
     if isinstance(desired, list):
         if not isinstance(live, list):
             return False
@@ -354,8 +390,7 @@ class ApplyRejected(Exception):
 
 def _rejected(exc: ApiException, verb: str, rtype: ResourceType, name: str) -> ApplyRejected:
     reason = "Forbidden" if exc.status == 403 else "ApplyRejected"
-    return ApplyRejected(reason, exc.status or 400, rtype.kind, name,
-                         f"{verb} {rtype.kind}/{name}: {_describe(exc)}")
+    return ApplyRejected(reason, exc.status or 400, rtype.kind, name, f"{verb} {rtype.kind}/{name}: {_describe(exc)}")
 
 
 def _final_4xx(exc: Exception) -> bool:
@@ -366,7 +401,7 @@ def _backoff(api: KubeApi, exc: Exception, what: str, attempt: int) -> None:
     """Sleep before the next try of a retryable failure; raise kopf.TemporaryError when the tries are spent."""
     if attempt >= api.retry.attempts - 1:
         raise kopf.TemporaryError(f"{what}: {_describe(exc)}", delay=api.retry.handler_delay_s) from exc
-    delay = min(api.retry.max_delay_s, api.retry.base_delay_s * 2 ** attempt)
+    delay = min(api.retry.max_delay_s, api.retry.base_delay_s * 2**attempt)
     log.info("%s: %s; retrying in %.1f s", what, _describe(exc), delay)
     time.sleep(delay)
 
@@ -379,9 +414,14 @@ def _check_controller(rtype: ResourceType, desired: dict[str, Any], live: dict[s
         return
     name = desired["metadata"]["name"]
     who = f"controller uid {live_owner}" if live_owner else "no controller ownerReference"
-    raise ApplyRejected("ChildConflict", 409, rtype.kind, name,
-                        f"{rtype.kind}/{name} already exists and is not controlled by this InferenceService "
-                        f"({who}); it is left alone: delete or rename it")
+    raise ApplyRejected(
+        "ChildConflict",
+        409,
+        rtype.kind,
+        name,
+        f"{rtype.kind}/{name} already exists and is not controlled by this InferenceService "
+        f"({who}); it is left alone: delete or rename it",
+    )
 
 
 @dataclass
@@ -394,8 +434,14 @@ class ApplyResult:
     patch: dict[str, Any] | None = None
 
 
-def apply(api: KubeApi, rtype: ResourceType, desired: dict[str, Any],
-          live: dict[str, Any] | None | type[Ellipsis] = ..., *, dry_run: bool = False) -> ApplyResult:
+def apply(
+    api: KubeApi,
+    rtype: ResourceType,
+    desired: dict[str, Any],
+    live: dict[str, Any] | None | type[Ellipsis] = ...,
+    *,
+    dry_run: bool = False,
+) -> ApplyResult:
     """Bring one child to ``desired`` (module doc). ``live`` is the object as last read (None: known absent; omitted:
     read it now); ``dry_run``: send the write with ``dryRun=All``. Raises ApplyRejected for a 4xx the server will
     repeat or when an object of that name exists and is controlled by another owner (it is never taken over), and
@@ -409,8 +455,16 @@ def apply(api: KubeApi, rtype: ResourceType, desired: dict[str, Any],
         verb = "create" if live is None else "patch"
         try:
             if live is None:
-                body = {**desired, "metadata": {**meta, "annotations": {
-                    **(meta.get("annotations") or {}), LAST_APPLIED_ANNOTATION: last_applied_record(desired)}}}
+                body = {
+                    **desired,
+                    "metadata": {
+                        **meta,
+                        "annotations": {
+                            **(meta.get("annotations") or {}),
+                            LAST_APPLIED_ANNOTATION: last_applied_record(desired),
+                        },
+                    },
+                }
                 return ApplyResult("created", api.create(rtype, namespace, body, dry_run=dry_run))
             _check_controller(rtype, desired, live)
             patch = merge_patch_for(desired, live)
@@ -434,8 +488,9 @@ def apply(api: KubeApi, rtype: ResourceType, desired: dict[str, Any],
             replan = isinstance(exc, ApiException) and exc.status in (404, 409)
             if replan:
                 if attempt == api.retry.attempts - 1:
-                    raise kopf.TemporaryError(f"{verb} {what}: {_describe(exc)}",
-                                              delay=api.retry.handler_delay_s) from exc
+                    raise kopf.TemporaryError(
+                        f"{verb} {what}: {_describe(exc)}", delay=api.retry.handler_delay_s
+                    ) from exc
             else:
                 _backoff(api, exc, f"{verb} {what}", attempt)
             live = api.call(f"get {what}", api.get, rtype, namespace, name)
@@ -473,8 +528,9 @@ class Change:
     live: dict[str, Any] | None
 
 
-def plan(rtype: ResourceType, desired: list[dict[str, Any]], live: list[dict[str, Any]],
-         owner_uid: str | None) -> list[Change]:
+def plan(
+    rtype: ResourceType, desired: list[dict[str, Any]], live: list[dict[str, Any]], owner_uid: str | None
+) -> list[Change]:
     """The changes that bring the children of one kind from ``live`` (listed by the InferenceService label) to
     ``desired``: create what is absent, patch what differs, keep what matches, delete what ``owner_uid`` owns and no
     longer desires (objects owned by someone else are left alone even when they carry the label). No API call.
@@ -493,15 +549,18 @@ def plan(rtype: ResourceType, desired: list[dict[str, Any]], live: list[dict[str
     wanted = {c["metadata"]["name"] for c in desired}
     for obj in live:
         meta = obj.get("metadata") or {}
-        if (meta.get("name") in wanted or meta.get("deletionTimestamp") or owner_uid is None
-                or not is_owned_by(obj, owner_uid)):
+        if (
+            meta.get("name") in wanted
+            or meta.get("deletionTimestamp")
+            or owner_uid is None
+            or not is_owned_by(obj, owner_uid)
+        ):
             continue
         changes.append(Change(rtype, "delete", meta["name"], None, obj))
     return changes
 
 
-def execute(api: KubeApi, changes: list[Change], *, dry_run: bool,
-            on_result: Any = None) -> list[ApplyResult]:
+def execute(api: KubeApi, changes: list[Change], *, dry_run: bool, on_result: Any = None) -> list[ApplyResult]:
     """Send ``changes`` in order (``dry_run``: each with ``dryRun=All``; nothing persists). ``on_result(change,
     result)`` is called after each (e.g. to post an Event as each child is created). Raises ApplyRejected or
     kopf.TemporaryError (``apply``) at the first change that fails; the ones before it were sent."""
@@ -517,4 +576,3 @@ def execute(api: KubeApi, changes: list[Change], *, dry_run: bool,
         if on_result is not None:
             on_result(change, result)
     return results
-

@@ -338,7 +338,9 @@ def check(root: Path | None = None) -> list[str]:
         if have != want:
             diff = "".join(
                 difflib.unified_diff(
-                    have.splitlines(keepends=True), want.splitlines(keepends=True), f"{rel} (committed)",
+                    have.splitlines(keepends=True),
+                    want.splitlines(keepends=True),
+                    f"{rel} (committed)",
                     f"{rel} (from operator/spec.py)",
                 )  # fmt: skip
             )

@@ -80,8 +80,9 @@ __all__ = [
     "QuietHandlerSuccess",
 ]
 
-INFERENCE_SERVICES = ChildType(f"{constants.API_GROUP}/{constants.API_VERSION}", constants.CRD_KIND,
-                               constants.CRD_PLURAL)
+INFERENCE_SERVICES = ChildType(
+    f"{constants.API_GROUP}/{constants.API_VERSION}", constants.CRD_KIND, constants.CRD_PLURAL
+)
 ENDPOINT_SLICES = ChildType("discovery.k8s.io/v1", "EndpointSlice", "endpointslices")
 FINALIZER = f"{constants.API_GROUP}/kopf-finalizer"
 _TYPES_BY_KIND = {(t.api_version, t.kind): t for t in CHILD_TYPES}
@@ -107,20 +108,25 @@ def _condition(conditions: list[dict] | None, type_: str) -> dict[str, Any]:
 
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
     """A kopf Body (a read-only mapping view) as plain nested dicts."""
+
     def conv(v: Any) -> Any:
         if isinstance(v, Mapping):
             return {k: conv(x) for k, x in v.items()}
         if isinstance(v, list):
             return [conv(x) for x in v]
         return v
+
     return conv(body)
 
 
 def _fingerprint(obj: Mapping[str, Any]) -> str:
     """A digest of everything in a child except ``status`` and the metadata the server changes on every write
     (resourceVersion, managedFields, generation): equal digests mean a status-only (or no-op) write."""
-    meta = {k: v for k, v in (obj.get("metadata") or {}).items()
-            if k not in ("resourceVersion", "managedFields", "generation")}
+    meta = {
+        k: v
+        for k, v in (obj.get("metadata") or {}).items()
+        if k not in ("resourceVersion", "managedFields", "generation")
+    }
     content = {k: v for k, v in obj.items() if k not in ("status", "metadata")}
     return hashlib.sha256(json.dumps([meta, content], sort_keys=True, default=str).encode()).hexdigest()
 
@@ -151,8 +157,13 @@ class Reconciler:
     ``clock``: returns the current UTC time (condition timestamps).
     """
 
-    def __init__(self, api: KubeApi, options: RenderOptions, metrics: OperatorMetrics,
-                 clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> None:
+    def __init__(
+        self,
+        api: KubeApi,
+        options: RenderOptions,
+        metrics: OperatorMetrics,
+        clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+    ) -> None:
         self.api = api
         self.options = options
         self.metrics = metrics
@@ -190,8 +201,9 @@ class Reconciler:
             if obj:
                 state.fingerprints[key] = _fingerprint(obj)
 
-    def _warn_once(self, state: _OwnerState, logger: logging.Logger | logging.LoggerAdapter, message: str,
-                   *args: Any) -> None:
+    def _warn_once(
+        self, state: _OwnerState, logger: logging.Logger | logging.LoggerAdapter, message: str, *args: Any
+    ) -> None:
         """Log at WARNING when ``message % args`` differs from the last one warned for this owner, else at DEBUG."""
         text = message % args
         level = logging.DEBUG if state.warned == text else logging.WARNING
@@ -211,8 +223,9 @@ class Reconciler:
         with state.lock:
             self._reconcile_locked(state, _plain(body), kind, logger)
 
-    def child_changed(self, event_type: str | None, child: Mapping[str, Any],
-                      logger: logging.Logger | logging.LoggerAdapter) -> None:
+    def child_changed(
+        self, event_type: str | None, child: Mapping[str, Any], logger: logging.Logger | logging.LoggerAdapter
+    ) -> None:
         """A labelled child was added, modified or deleted: reconcile its owner when the event can matter (module
         doc: not the operator's own writes, not status-only writes of kinds other than Deployment). Events arriving
         while a reconcile of the same owner runs are coalesced. State is created only for an owner that exists and
@@ -230,8 +243,13 @@ class Reconciler:
         with self._guard:
             state = self._owners.get((namespace, owner_name))
         if state is None:
-            owner = self.api.call(f"get InferenceService {namespace}/{owner_name}", self.api.get,
-                                  INFERENCE_SERVICES, namespace, owner_name)
+            owner = self.api.call(
+                f"get InferenceService {namespace}/{owner_name}",
+                self.api.get,
+                INFERENCE_SERVICES,
+                namespace,
+                owner_name,
+            )
             if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
                 return  # the owner is gone or going: the garbage collector takes the child
             state = self._owner(namespace, owner_name)
@@ -248,15 +266,21 @@ class Reconciler:
                 own = all(rv is not None and state.seen.get(k) == rv for k, rv in events)
             if own:
                 return
-            isvc = self.api.call(f"get InferenceService {namespace}/{owner_name}", self.api.get,
-                                 INFERENCE_SERVICES, namespace, owner_name)
+            isvc = self.api.call(
+                f"get InferenceService {namespace}/{owner_name}",
+                self.api.get,
+                INFERENCE_SERVICES,
+                namespace,
+                owner_name,
+            )
             if isvc is None or (isvc.get("metadata") or {}).get("deletionTimestamp"):
                 return  # the owner is gone; the garbage collector takes the child
             logger.debug("child %s changed (%s): reconciling %s", key, event_type, owner_name)
             self._reconcile_locked(state, isvc, "child", logger)
 
-    def _matters(self, state: _OwnerState, event_type: str, kind: str, key: tuple[str, str, str],
-                 child: Mapping[str, Any]) -> bool:
+    def _matters(
+        self, state: _OwnerState, event_type: str, kind: str, key: tuple[str, str, str], child: Mapping[str, Any]
+    ) -> bool:
         """Whether a child's watch event can change what a reconcile does: a deletion (unless the operator's own
         prune), any Deployment event (its status feeds the InferenceService's), and for other kinds a change of
         anything but ``status`` (an HPA's controller rewrites its status every ~15 s; that alone is skipped).
@@ -281,8 +305,9 @@ class Reconciler:
 
     # --- the reconcile ----------------------------------------------------------------------------------------------
 
-    def _reconcile_locked(self, state: _OwnerState, body: dict[str, Any], kind: str,
-                          logger: logging.Logger | logging.LoggerAdapter) -> None:
+    def _reconcile_locked(
+        self, state: _OwnerState, body: dict[str, Any], kind: str, logger: logging.Logger | logging.LoggerAdapter
+    ) -> None:
         start = time.perf_counter()
         try:
             result, error_reason = self._reconcile(state, body, kind, logger)
@@ -297,8 +322,9 @@ class Reconciler:
             self.metrics.reconcile_errors.labels(kind=kind, reason=error_reason).inc()
         self.metrics.reconciles.labels(kind=kind, result=result).inc()
 
-    def _reconcile(self, state: _OwnerState, body: dict[str, Any], kind: str,
-                   logger: logging.Logger | logging.LoggerAdapter) -> tuple[str, str | None]:
+    def _reconcile(
+        self, state: _OwnerState, body: dict[str, Any], kind: str, logger: logging.Logger | logging.LoggerAdapter
+    ) -> tuple[str, str | None]:
         """One reconcile; returns (result for reconciles_total, reason for reconcile_errors_total or None)."""
         meta = body["metadata"]
         name, namespace = meta["name"], meta.get("namespace", "")
@@ -318,8 +344,14 @@ class Reconciler:
         if isvc.spec.autoscaling is not None and isvc.spec.replicas is None:
             # The scale subresource reads an absent spec.replicas as 0, and an HPA whose target has 0 replicas
             # disables itself (ScalingDisabled): start the HPA from minReplicas.
-            self.api.call(f"default spec.replicas of InferenceService {namespace}/{name}", self.api.merge_patch,
-                          INFERENCE_SERVICES, namespace, name, {"spec": {"replicas": isvc.spec.desired_replicas()}})
+            self.api.call(
+                f"default spec.replicas of InferenceService {namespace}/{name}",
+                self.api.merge_patch,
+                INFERENCE_SERVICES,
+                namespace,
+                name,
+                {"spec": {"replicas": isvc.spec.desired_replicas()}},
+            )
             logger.info("spec.replicas unset under autoscaling: set to minReplicas %d", isvc.spec.desired_replicas())
 
         owner_uid = meta.get("uid")
@@ -340,8 +372,9 @@ class Reconciler:
             if result.action == "created":
                 kopf.info(body, reason="Created", message=f"created {what}")  # at once: a later failure keeps it
             elif result.action == "patched":
-                logger.info("patched %s: %s", what,
-                            sorted(k for k in result.patch or {} if k != "metadata") or ["metadata"])
+                logger.info(
+                    "patched %s: %s", what, sorted(k for k in result.patch or {} if k != "metadata") or ["metadata"]
+                )
 
         phase = "read"  # how far the apply got: "read" (listing), "dry-run", "write" (real writes under way)
         try:
@@ -353,7 +386,7 @@ class Reconciler:
                 wanted = [c for c in desired if (c["apiVersion"], c["kind"]) == (rtype.api_version, rtype.kind)]
                 changes += applier.plan(rtype, wanted, live, owner_uid)
             # Creates and patches first, deletes last; every write is dry-run before any is made.
-            ordered = ([c for c in changes if c.action != "delete"] + [c for c in changes if c.action == "delete"])
+            ordered = [c for c in changes if c.action != "delete"] + [c for c in changes if c.action == "delete"]
             writes = [c for c in ordered if c.action != "unchanged"]
             if writes:
                 phase = "dry-run"
@@ -370,8 +403,9 @@ class Reconciler:
             # webhook") after the bounded retries. kopf retries later; meanwhile the status says so instead of
             # standing still (reason APIUnavailable when even reading the children failed, else ApplyFailed).
             reason = "APIUnavailable" if phase == "read" else "ApplyFailed"
-            done = {"read": "nothing applied", "dry-run": "nothing applied",
-                    "write": "the spec is partly applied"}[phase]
+            done = {"read": "nothing applied", "dry-run": "nothing applied", "write": "the spec is partly applied"}[
+                phase
+            ]
             failed = ApplyError(reason, f"{exc}; {done}, the operator retries")
             try:
                 self._observe_and_write(state, isvc, body, current, previous, logger, failed)
@@ -383,16 +417,28 @@ class Reconciler:
         self._observe_and_write(state, isvc, body, current, previous, logger, None)
         return "success", None
 
-    def _observe_and_write(self, state: _OwnerState, isvc: InferenceService, body: dict[str, Any],
-                           current: dict[tuple[str, str], dict[str, Any]], previous: list[dict] | None,
-                           logger: logging.Logger | logging.LoggerAdapter, refused: ApplyError | None) -> None:
+    def _observe_and_write(
+        self,
+        state: _OwnerState,
+        isvc: InferenceService,
+        body: dict[str, Any],
+        current: dict[tuple[str, str], dict[str, Any]],
+        previous: list[dict] | None,
+        logger: logging.Logger | logging.LoggerAdapter,
+        refused: ApplyError | None,
+    ) -> None:
         """Read the engine Service's EndpointSlices, compute the status from them and ``current`` (Deployments by
         (kind, name)) and write it."""
         meta = body["metadata"]
         name, namespace = meta["name"], meta.get("namespace", "")
         engine_svc = constants.engine_deployment_name(name)
-        slices = self.api.call(f"list endpointslices of {engine_svc}", self.api.list, ENDPOINT_SLICES, namespace,
-                               {constants.LABEL_SERVICE_NAME: engine_svc})
+        slices = self.api.call(
+            f"list endpointslices of {engine_svc}",
+            self.api.list,
+            ENDPOINT_SLICES,
+            namespace,
+            {constants.LABEL_SERVICE_NAME: engine_svc},
+        )
         observed = ObservedChildren(
             engine_deployment=current.get(("Deployment", constants.engine_deployment_name(name))),
             router_deployment=current.get(("Deployment", constants.router_deployment_name(name))),
@@ -402,17 +448,34 @@ class Reconciler:
         status = compute_status(isvc, observed, now=self.clock(), previous_conditions=previous)
         self._write_status(state, body, status, logger)
 
-    def _invalid(self, state: _OwnerState, body: dict[str, Any], message: str, previous: list[dict] | None,
-                 logger: logging.Logger | logging.LoggerAdapter) -> str:
+    def _invalid(
+        self,
+        state: _OwnerState,
+        body: dict[str, Any],
+        message: str,
+        previous: list[dict] | None,
+        logger: logging.Logger | logging.LoggerAdapter,
+    ) -> str:
         meta = body["metadata"]
         self._warn_once(state, logger, "invalid spec, nothing applied: %s", message)
-        status = invalid_spec_status(meta["name"], meta.get("namespace", ""), meta.get("generation"), message,
-                                     now=self.clock(), previous_conditions=previous)
+        status = invalid_spec_status(
+            meta["name"],
+            meta.get("namespace", ""),
+            meta.get("generation"),
+            message,
+            now=self.clock(),
+            previous_conditions=previous,
+        )
         self._write_status(state, body, status, logger)
         return "invalid_spec"
 
-    def _write_status(self, state: _OwnerState, body: dict[str, Any], status: dict[str, Any],
-                      logger: logging.Logger | logging.LoggerAdapter) -> None:
+    def _write_status(
+        self,
+        state: _OwnerState,
+        body: dict[str, Any],
+        status: dict[str, Any],
+        logger: logging.Logger | logging.LoggerAdapter,
+    ) -> None:
         """Patch ``status`` (whole: fields no longer reported are removed) through the status subresource when it
         differs from the status this process last wrote OR from the live one in ``body`` (someone wiped or edited
         it: ``kubectl edit --subresource=status``, ``status: null``), and post Events for the transitions. Events
@@ -425,8 +488,15 @@ class Reconciler:
             return
         meta = body["metadata"]
         patch = {"status": {**{k: None for k in {**old, **current} if k not in status}, **status}}
-        self.api.call(f"patch status of InferenceService {meta.get('namespace')}/{meta['name']}",
-                      self.api.merge_patch, INFERENCE_SERVICES, meta.get("namespace"), meta["name"], patch, "status")
+        self.api.call(
+            f"patch status of InferenceService {meta.get('namespace')}/{meta['name']}",
+            self.api.merge_patch,
+            INFERENCE_SERVICES,
+            meta.get("namespace"),
+            meta["name"],
+            patch,
+            "status",
+        )
         state.status = status
         before, after = current.get("conditions"), status.get("conditions")
         was_ready = _condition(before, "Ready").get("status") == "True"
@@ -437,8 +507,9 @@ class Reconciler:
             kopf.warn(body, reason="NotReady", message=f"{ready.get('reason')}: {ready.get('message', '')}")
         degraded, was = _condition(after, "Degraded"), _condition(before, "Degraded")
         if degraded.get("status") == "True" and (
-                was.get("status") != "True" or (was.get("reason"), was.get("message"))
-                != (degraded.get("reason"), degraded.get("message"))):
+            was.get("status") != "True"
+            or (was.get("reason"), was.get("message")) != (degraded.get("reason"), degraded.get("message"))
+        ):
             kopf.warn(body, reason=degraded.get("reason", "Degraded"), message=degraded.get("message", ""))
         logger.debug("status: %s", {c["type"]: c["status"] for c in after or []})
 
@@ -474,7 +545,8 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     timer still running at deletion re-checked every 2 s instead of 60."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=constants.API_GROUP, key="last-handled-configuration")
+        prefix=constants.API_GROUP, key="last-handled-configuration"
+    )
     settings.persistence.finalizer = FINALIZER
     # A resync reconcile (a sync handler in a thread) still running when its InferenceService is deleted cannot be
     # interrupted; kopf re-checks whether it has exited after this many seconds (default 60: deletion then took a
@@ -485,8 +557,9 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.posting.level = logging.INFO
 
 
-def build_registry(reconciler: Reconciler, resync_seconds: float,
-                   child_types: tuple[ChildType, ...] = CHILD_TYPES) -> kopf.OperatorRegistry:
+def build_registry(
+    reconciler: Reconciler, resync_seconds: float, child_types: tuple[ChildType, ...] = CHILD_TYPES
+) -> kopf.OperatorRegistry:
     """A kopf registry with this operator's handlers (module doc), bound to ``reconciler``; no global registry.
     ``resync_seconds``: the timer's interval (also its initial delay: a new object was just reconciled)."""
     registry = kopf.OperatorRegistry()
@@ -503,8 +576,7 @@ def build_registry(reconciler: Reconciler, resync_seconds: float,
     def resync(body: kopf.Body, logger: Any, **_: Any) -> None:
         reconciler.reconcile(body, "timer", logger)
 
-    kopf.timer(**isvc, id="resync", interval=resync_seconds, initial_delay=resync_seconds,
-               registry=registry)(resync)
+    kopf.timer(**isvc, id="resync", interval=resync_seconds, initial_delay=resync_seconds, registry=registry)(resync)
 
     def on_isvc_event(event: Mapping[str, Any], name: str, namespace: str, **_: Any) -> None:
         if event.get("type") == "DELETED":
@@ -517,8 +589,14 @@ def build_registry(reconciler: Reconciler, resync_seconds: float,
 
     for rtype in child_types:
         group, _, version = rtype.api_version.rpartition("/")
-        kopf.on.event(group=group, version=version, plural=rtype.plural, id=f"child-{rtype.plural}",
-                      labels={constants.LABEL_INFERENCE_SERVICE: kopf.PRESENT}, registry=registry)(on_child)
+        kopf.on.event(
+            group=group,
+            version=version,
+            plural=rtype.plural,
+            id=f"child-{rtype.plural}",
+            labels={constants.LABEL_INFERENCE_SERVICE: kopf.PRESENT},
+            registry=registry,
+        )(on_child)
 
     def on_endpoint_slice(event: Mapping[str, Any], body: kopf.Body, logger: Any, **_: Any) -> None:
         labels = (body.get("metadata") or {}).get("labels") or {}
@@ -529,6 +607,12 @@ def build_registry(reconciler: Reconciler, resync_seconds: float,
     # The EndpointSlice controller copies a Service's labels onto its slices, so the engine Service's slices carry
     # the InferenceService label; the router Service's slices (same label) do not feed the status and are skipped.
     group, _, version = ENDPOINT_SLICES.api_version.rpartition("/")
-    kopf.on.event(group=group, version=version, plural=ENDPOINT_SLICES.plural, id=f"child-{ENDPOINT_SLICES.plural}",
-                  labels={constants.LABEL_INFERENCE_SERVICE: kopf.PRESENT}, registry=registry)(on_endpoint_slice)
+    kopf.on.event(
+        group=group,
+        version=version,
+        plural=ENDPOINT_SLICES.plural,
+        id=f"child-{ENDPOINT_SLICES.plural}",
+        labels={constants.LABEL_INFERENCE_SERVICE: kopf.PRESENT},
+        registry=registry,
+    )(on_endpoint_slice)
     return registry

@@ -20,8 +20,16 @@ from typing import Any
 import radixserve
 from radixserve.contracts import constants
 
-__all__ = ["OperatorConfig", "DEFAULT_IMAGE", "KubeConfigError", "add_operator_args", "config_from_namespace",
-           "load_kube_client", "run_operator", "main"]
+__all__ = [
+    "OperatorConfig",
+    "DEFAULT_IMAGE",
+    "KubeConfigError",
+    "add_operator_args",
+    "config_from_namespace",
+    "load_kube_client",
+    "run_operator",
+    "main",
+]
 
 DEFAULT_IMAGE = f"{constants.IMAGE_REPOSITORY}:{radixserve.__version__}"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -57,30 +65,64 @@ class OperatorConfig:
 def add_operator_args(parser: argparse.ArgumentParser) -> None:
     """The ``radixserve operator`` flags."""
     scope = parser.add_mutually_exclusive_group(required=True)
-    scope.add_argument("--namespace", "-n", action="append", metavar="NS", dest="namespaces",
-                       help="watch InferenceServices in this namespace (repeat for several)")
-    scope.add_argument("--all-namespaces", "-A", action="store_true",
-                       help="watch InferenceServices in every namespace (needs cluster-wide RBAC)")
-    parser.add_argument("--image", default=DEFAULT_IMAGE,
-                        help=f"image for engine and router pods unless the InferenceService names one "
-                             f"(default {DEFAULT_IMAGE})")
-    parser.add_argument("--image-pull-policy", choices=PULL_POLICIES, default=None,
-                        help="pull policy for that image (default: Kubernetes' own)")
-    parser.add_argument("--resync-seconds", type=float, default=30.0,
-                        help="interval of the drift-repair timer per InferenceService, seconds (default 30)")
-    parser.add_argument("--metrics-port", type=int, default=constants.OPERATOR_METRICS_PORT,
-                        help=f"port of the operator's own /metrics (Prometheus) and /healthz (200 once kopf is "
-                             f"ready, 503 before; served by radixserve, not kopf's liveness endpoint) "
-                             f"(default {constants.OPERATOR_METRICS_PORT})")
-    parser.add_argument("--log-level", default="info", type=str.lower,
-                        choices=("debug", "info", "warning", "error", "critical"), help="log level (default info)")
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        metavar="NS",
+        dest="namespaces",
+        help="watch InferenceServices in this namespace (repeat for several)",
+    )
+    scope.add_argument(
+        "--all-namespaces",
+        "-A",
+        action="store_true",
+        help="watch InferenceServices in every namespace (needs cluster-wide RBAC)",
+    )
+    parser.add_argument(
+        "--image",
+        default=DEFAULT_IMAGE,
+        help=f"image for engine and router pods unless the InferenceService names one (default {DEFAULT_IMAGE})",
+    )
+    parser.add_argument(
+        "--image-pull-policy",
+        choices=PULL_POLICIES,
+        default=None,
+        help="pull policy for that image (default: Kubernetes' own)",
+    )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=30.0,
+        help="interval of the drift-repair timer per InferenceService, seconds (default 30)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=constants.OPERATOR_METRICS_PORT,
+        help=f"port of the operator's own /metrics (Prometheus) and /healthz (200 once kopf is "
+        f"ready, 503 before; served by radixserve, not kopf's liveness endpoint) "
+        f"(default {constants.OPERATOR_METRICS_PORT})",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=("debug", "info", "warning", "error", "critical"),
+        help="log level (default info)",
+    )
 
 
 def config_from_namespace(ns: argparse.Namespace) -> OperatorConfig:
     """The OperatorConfig of parsed flags; raises ValueError for values argparse cannot check."""
-    return OperatorConfig(image=ns.image, image_pull_policy=ns.image_pull_policy,
-                          namespaces=tuple(ns.namespaces or ()), all_namespaces=ns.all_namespaces,
-                          resync_seconds=ns.resync_seconds, metrics_port=ns.metrics_port)
+    return OperatorConfig(
+        image=ns.image,
+        image_pull_policy=ns.image_pull_policy,
+        namespaces=tuple(ns.namespaces or ()),
+        all_namespaces=ns.all_namespaces,
+        resync_seconds=ns.resync_seconds,
+        metrics_port=ns.metrics_port,
+    )
 
 
 class KubeConfigError(Exception):
@@ -100,23 +142,38 @@ def load_kube_client() -> Any:
         # The client reads $KUBECONFIG into this global at import time (a ':'-separated list of files).
         location = os.path.expanduser(kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION)
         source = "from $KUBECONFIG" if os.environ.get("KUBECONFIG") else "the default; $KUBECONFIG is not set"
-        cluster = ("not running in a cluster ($KUBERNETES_SERVICE_HOST/_PORT unset)"
-                   if not os.environ.get("KUBERNETES_SERVICE_HOST")
-                   else f"the in-cluster service account failed ({str(incluster).rstrip('.')})")
+        cluster = (
+            "not running in a cluster ($KUBERNETES_SERVICE_HOST/_PORT unset)"
+            if not os.environ.get("KUBERNETES_SERVICE_HOST")
+            else f"the in-cluster service account failed ({str(incluster).rstrip('.')})"
+        )
         where = f"{cluster} and the kubeconfig {location} ({source})"
         if not any(os.path.exists(p) for p in location.split(os.pathsep) if p):
             raise KubeConfigError(f"no Kubernetes credentials: {where} does not exist") from None
         try:
             kubernetes.config.load_kube_config()
-        except (kubernetes.config.ConfigException, yaml.YAMLError, OSError, TypeError, AttributeError, KeyError,
-                ValueError) as exc:
+        except (
+            kubernetes.config.ConfigException,
+            yaml.YAMLError,
+            OSError,
+            TypeError,
+            AttributeError,
+            KeyError,
+            ValueError,
+        ) as exc:
             detail = " ".join(str(exc).split()) or type(exc).__name__
             raise KubeConfigError(f"no Kubernetes credentials: {where} cannot be used: {detail}") from None
     return kubernetes.client.ApiClient()
 
 
-async def run_operator(config: OperatorConfig, *, api_client: Any = None, stop_flag: Any = None,
-                       ready_flag: Any = None, metrics: Any = None) -> None:
+async def run_operator(
+    config: OperatorConfig,
+    *,
+    api_client: Any = None,
+    stop_flag: Any = None,
+    ready_flag: Any = None,
+    metrics: Any = None,
+) -> None:
     """Run kopf with this operator's handlers until ``stop_flag`` (asyncio.Event/Future) is set or SIGTERM/SIGINT.
 
     ``api_client``: the reconciler's kubernetes ApiClient (default ``load_kube_client()``); ``ready_flag`` (an
@@ -146,9 +203,15 @@ async def run_operator(config: OperatorConfig, *, api_client: Any = None, stop_f
         if config.metrics_port is not None:
             await stack.enter_async_context(serve(metrics, ready, config.metrics_host, config.metrics_port))
         try:
-            await kopf.operator(registry=registry, settings=settings, standalone=True,
-                                clusterwide=config.all_namespaces, namespaces=config.namespaces,
-                                stop_flag=stop_flag, ready_flag=ready)
+            await kopf.operator(
+                registry=registry,
+                settings=settings,
+                standalone=True,
+                clusterwide=config.all_namespaces,
+                namespaces=config.namespaces,
+                stop_flag=stop_flag,
+                ready_flag=ready,
+            )
         finally:
             kopf_objects.removeFilter(quiet)
     if api_client is None:
@@ -164,8 +227,11 @@ def main(config: OperatorConfig) -> int:
         print(f"radixserve operator: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("radixserve.operator").info(
-        "radixserve operator %s: image %s, watching %s", radixserve.__version__, config.image,
-        "all namespaces" if config.all_namespaces else ", ".join(config.namespaces))
+        "radixserve operator %s: image %s, watching %s",
+        radixserve.__version__,
+        config.image,
+        "all namespaces" if config.all_namespaces else ", ".join(config.namespaces),
+    )
     try:
         asyncio.run(run_operator(config, api_client=client))
     finally:

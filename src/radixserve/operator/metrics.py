@@ -38,16 +38,22 @@ class OperatorMetrics:
         reconciles, errors = constants.OPERATOR_COUNTERS
         (managed,) = constants.OPERATOR_GAUGES
         (duration,) = constants.OPERATOR_HISTOGRAMS
-        self.reconciles = Counter(P + reconciles, "Reconciles of InferenceServices by trigger and result",
-                                  ["kind", "result"], registry=self.registry)
-        self.reconcile_errors = Counter(P + errors,
-                                        "Failed reconciles by trigger and error reason", ["kind", "reason"],
-                                        registry=self.registry)
-        self.reconcile_duration = Histogram(P + duration, "Wall time of one reconcile (seconds)",
-                                            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-                                            registry=self.registry)
-        self.managed = Gauge(P + managed, "InferenceServices the operator reconciles",
-                             registry=self.registry)
+        self.reconciles = Counter(
+            P + reconciles,
+            "Reconciles of InferenceServices by trigger and result",
+            ["kind", "result"],
+            registry=self.registry,
+        )
+        self.reconcile_errors = Counter(
+            P + errors, "Failed reconciles by trigger and error reason", ["kind", "reason"], registry=self.registry
+        )
+        self.reconcile_duration = Histogram(
+            P + duration,
+            "Wall time of one reconcile (seconds)",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.managed = Gauge(P + managed, "InferenceServices the operator reconciles", registry=self.registry)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -70,8 +76,9 @@ def _app(metrics: OperatorMetrics, ready: Any) -> web.Application:
 
 
 @asynccontextmanager
-async def serve(metrics: OperatorMetrics, ready: Any, host: str = "0.0.0.0",
-                port: int = constants.OPERATOR_METRICS_PORT) -> AsyncIterator[int]:
+async def serve(
+    metrics: OperatorMetrics, ready: Any, host: str = "0.0.0.0", port: int = constants.OPERATOR_METRICS_PORT
+) -> AsyncIterator[int]:
     """Serve /metrics and /healthz on ``host:port`` (aiohttp, in the running event loop) for the duration of the
     ``async with``; ``ready`` (an asyncio or threading Event) gates /healthz. Yields the bound port (useful with
     ``port=0``). Raises OSError if the port is taken."""

@@ -147,14 +147,16 @@ def _meta(isvc: InferenceService, name: str, component: str) -> dict[str, Any]:
         "labels": child_labels(isvc.metadata.name, component),
     }
     if isvc.metadata.uid:
-        meta["ownerReferences"] = [{
-            "apiVersion": OWNER_API_VERSION,
-            "kind": constants.CRD_KIND,
-            "name": isvc.metadata.name,
-            "uid": isvc.metadata.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }]
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": OWNER_API_VERSION,
+                "kind": constants.CRD_KIND,
+                "name": isvc.metadata.name,
+                "uid": isvc.metadata.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
     return meta
 
 
@@ -256,8 +258,14 @@ def _model_source(isvc: InferenceService, image: str, options: RenderOptions) ->
         if model.hf_token_secret:
             # Not optional: a Secret the user named but that is missing shows as CreateContainerConfigError on the
             # pod, clearer than a 401 from the Hub halfway through a download.
-            env.append({"name": HF_TOKEN_KEY, "valueFrom": {
-                "secretKeyRef": {"name": model.hf_token_secret, "key": HF_TOKEN_KEY, "optional": False}}})
+            env.append(
+                {
+                    "name": HF_TOKEN_KEY,
+                    "valueFrom": {
+                        "secretKeyRef": {"name": model.hf_token_secret, "key": HF_TOKEN_KEY, "optional": False}
+                    },
+                }
+            )
         init = {
             "name": MODEL_INIT_CONTAINER,
             "image": image,
@@ -316,10 +324,14 @@ def engine_args(isvc: InferenceService, model_path: str) -> list[str]:
     """``radixserve engine`` flags (after the subcommand) for ``isvc``; ``spec.engine.args`` last, so they win."""
     spec = isvc.spec
     args = [
-        "--host", LISTEN_HOST,
-        "--port", str(constants.ENGINE_PORT),
-        "--model-path", model_path,
-        "--served-model-name", spec.served_model_name(isvc.metadata.name),
+        "--host",
+        LISTEN_HOST,
+        "--port",
+        str(constants.ENGINE_PORT),
+        "--model-path",
+        model_path,
+        "--served-model-name",
+        spec.served_model_name(isvc.metadata.name),
     ]
     if spec.model.tokenizer:
         args += ["--tokenizer-path", spec.model.tokenizer]
@@ -341,14 +353,21 @@ def router_args(isvc: InferenceService) -> list[str]:
     """``radixserve router`` flags (after the subcommand) for ``isvc``; ``spec.router.args`` last, so they win."""
     router = isvc.spec.router
     return [
-        "--host", LISTEN_HOST,
-        "--port", str(constants.ROUTER_PORT),
+        "--host",
+        LISTEN_HOST,
+        "--port",
+        str(constants.ROUTER_PORT),
         "--service-discovery",
-        "--service-name", constants.engine_deployment_name(isvc.metadata.name),
-        "--namespace", str(isvc.metadata.namespace),
-        "--policy", router.policy,
-        "--prefix-blocks", str(router.prefix_blocks),
-        "--load-factor", repr(float(router.load_factor)),
+        "--service-name",
+        constants.engine_deployment_name(isvc.metadata.name),
+        "--namespace",
+        str(isvc.metadata.namespace),
+        "--policy",
+        router.policy,
+        "--prefix-blocks",
+        str(router.prefix_blocks),
+        "--load-factor",
+        repr(float(router.load_factor)),
     ] + list(router.args)
 
 
@@ -405,8 +424,12 @@ def _engine_deployment(isvc: InferenceService, options: RenderOptions, engine_cf
         "args": ["engine", *engine_args(isvc, source.model_path)],
         "ports": [{"name": constants.HTTP_PORT_NAME, "containerPort": constants.ENGINE_PORT, "protocol": "TCP"}],
         "resources": _resources(spec.engine.resources),
-        "startupProbe": _http_probe(constants.ENGINE_HEALTH_PATH, period=STARTUP_PROBE_PERIOD_S, timeout=5,
-                                    failures=max(1, math.ceil(startup / STARTUP_PROBE_PERIOD_S))),
+        "startupProbe": _http_probe(
+            constants.ENGINE_HEALTH_PATH,
+            period=STARTUP_PROBE_PERIOD_S,
+            timeout=5,
+            failures=max(1, math.ceil(startup / STARTUP_PROBE_PERIOD_S)),
+        ),
         "readinessProbe": _http_probe(constants.ENGINE_HEALTH_PATH, period=5, timeout=5, failures=3),
         "livenessProbe": _http_probe(constants.ENGINE_HEALTH_PATH, period=15, timeout=10, failures=4),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ENGINE_PRESTOP_SLEEP_S)]}}},
@@ -466,12 +489,14 @@ def _engine_service(isvc: InferenceService) -> dict[str, Any]:
         "spec": {
             "clusterIP": "None",  # headless: the router balances itself, from the EndpointSlices
             "selector": child_labels(name, constants.COMPONENT_ENGINE),
-            "ports": [{
-                "name": constants.HTTP_PORT_NAME,
-                "port": constants.ENGINE_PORT,
-                "targetPort": constants.HTTP_PORT_NAME,
-                "protocol": "TCP",
-            }],
+            "ports": [
+                {
+                    "name": constants.HTTP_PORT_NAME,
+                    "port": constants.ENGINE_PORT,
+                    "targetPort": constants.HTTP_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
         },
     }
 
@@ -488,11 +513,13 @@ def _router_rbac(isvc: InferenceService) -> list[dict[str, Any]]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": _meta(isvc, name, constants.COMPONENT_ROUTER),
-            "rules": [{
-                "apiGroups": ["discovery.k8s.io"],
-                "resources": ["endpointslices"],
-                "verbs": ["get", "list", "watch"],
-            }],
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -558,12 +585,14 @@ def _router_service(isvc: InferenceService) -> dict[str, Any]:
         "spec": {
             "type": "ClusterIP",
             "selector": child_labels(name, constants.COMPONENT_ROUTER),
-            "ports": [{
-                "name": constants.HTTP_PORT_NAME,
-                "port": constants.ROUTER_SERVICE_PORT,
-                "targetPort": constants.HTTP_PORT_NAME,
-                "protocol": "TCP",
-            }],
+            "ports": [
+                {
+                    "name": constants.HTTP_PORT_NAME,
+                    "port": constants.ROUTER_SERVICE_PORT,
+                    "targetPort": constants.HTTP_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
         },
     }
 
@@ -595,14 +624,16 @@ def _hpa(isvc: InferenceService) -> dict[str, Any]:
             "scaleTargetRef": {"apiVersion": OWNER_API_VERSION, "kind": constants.CRD_KIND, "name": name},
             "minReplicas": autoscaling.min_replicas,
             "maxReplicas": autoscaling.max_replicas,
-            "metrics": [{
-                "type": "Pods",
-                "pods": {
-                    "metric": {"name": AUTOSCALING_METRIC_NAMES[autoscaling.metric]},
-                    # A quantity: the API server returns it as a string, so render it as one (no drift).
-                    "target": {"type": "AverageValue", "averageValue": str(autoscaling.target_per_pod)},
-                },
-            }],
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": AUTOSCALING_METRIC_NAMES[autoscaling.metric]},
+                        # A quantity: the API server returns it as a string, so render it as one (no drift).
+                        "target": {"type": "AverageValue", "averageValue": str(autoscaling.target_per_pod)},
+                    },
+                }
+            ],
             "behavior": {"scaleDown": {"stabilizationWindowSeconds": autoscaling.scale_down_delay_seconds}},
         },
     }

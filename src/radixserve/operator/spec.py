@@ -28,10 +28,22 @@ LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 
 _QUANTITY_RE = re.compile(r"^([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:[eE]([+-]?[0-9]+)|([KMGTPE]i|[numkMGTPE]))?$")
 _SUFFIXES = {
-    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
-    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"), "P": Decimal("1e15"),
-    "E": Decimal("1e18"), "Ki": Decimal(2 ** 10), "Mi": Decimal(2 ** 20), "Gi": Decimal(2 ** 30),
-    "Ti": Decimal(2 ** 40), "Pi": Decimal(2 ** 50), "Ei": Decimal(2 ** 60),
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": Decimal(1),
+    "k": Decimal("1e3"),
+    "M": Decimal("1e6"),
+    "G": Decimal("1e9"),
+    "T": Decimal("1e12"),
+    "P": Decimal("1e15"),
+    "E": Decimal("1e18"),
+    "Ki": Decimal(2**10),
+    "Mi": Decimal(2**20),
+    "Gi": Decimal(2**30),
+    "Ti": Decimal(2**40),
+    "Pi": Decimal(2**50),
+    "Ei": Decimal(2**60),
 }
 
 
@@ -61,7 +73,6 @@ def _check_quantity(value: int | str) -> int | str:
     if parse_quantity(value) is None:
         raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 500m, 2, 8Gi, 1e9)")
     return value
-
 
 
 def _check_int_or_percent(value: int | str) -> int | str:
@@ -155,9 +166,12 @@ class ModelSpec(_Model):
                 "pvc://CLAIM[/PATH], hf://ORG/REPO[@REVISION], file:///ABSOLUTE/PATH, "
                 + ", ".join(f"demo://{m}" for m in DEMO_MODELS)
             )
-        forms = {"pvc": "pvc://CLAIM[/PATH] (CLAIM a PersistentVolumeClaim name)",
-                 "hf": "hf://ORG/REPO[@REVISION]", "file": "file:///ABSOLUTE/PATH",
-                 "demo": " or ".join(f"demo://{m}" for m in DEMO_MODELS)}
+        forms = {
+            "pvc": "pvc://CLAIM[/PATH] (CLAIM a PersistentVolumeClaim name)",
+            "hf": "hf://ORG/REPO[@REVISION]",
+            "file": "file:///ABSOLUTE/PATH",
+            "demo": " or ".join(f"demo://{m}" for m in DEMO_MODELS),
+        }
         raise ValueError(f"storageUri {uri!r} is malformed: expected {forms[scheme]}")
 
     @property

@@ -188,27 +188,43 @@ def compute_status(
     engine_svc = constants.engine_deployment_name(name)
     refused = observed.apply_error
     if refused is not None:
-        ready = _condition("Ready", False, refused.reason,
-                           "the spec is not (fully) applied; see the Degraded condition", generation)
+        ready = _condition(
+            "Ready", False, refused.reason, "the spec is not (fully) applied; see the Degraded condition", generation
+        )
     elif missing:
         ready = _condition("Ready", False, "ChildrenMissing", missing_msg, generation)
     elif desired == 0:
         ready = _condition("Ready", False, "ScaledToZero", "engine replicas is 0", generation)
     elif router_desired == 0:
-        ready = _condition("Ready", False, "ScaledToZero",
-                           f"router replicas is 0: nothing serves {service_url(name, namespace)}", generation)
+        ready = _condition(
+            "Ready",
+            False,
+            "ScaledToZero",
+            f"router replicas is 0: nothing serves {service_url(name, namespace)}",
+            generation,
+        )
     elif engine_ready < 1:
         ready = _condition("Ready", False, "EnginesNotReady", f"0 of {desired} engine pods ready", generation)
     elif endpoints < 1:
-        ready = _condition("Ready", False, "EndpointsNotReady",
-                           f"{engine_ready} engine pods ready but no ready endpoint in the EndpointSlices of "
-                           f"Service {engine_svc} yet (the router cannot see them)", generation)
+        ready = _condition(
+            "Ready",
+            False,
+            "EndpointsNotReady",
+            f"{engine_ready} engine pods ready but no ready endpoint in the EndpointSlices of "
+            f"Service {engine_svc} yet (the router cannot see them)",
+            generation,
+        )
     elif router_ready < 1:
         ready = _condition("Ready", False, "RouterNotReady", f"0 of {router_desired} router pods ready", generation)
     else:
-        ready = _condition("Ready", True, "Ready",
-                           f"{engine_ready} of {desired} engines ready ({endpoints} routable), "
-                           f"{router_ready} of {router_desired} routers ready", generation)
+        ready = _condition(
+            "Ready",
+            True,
+            "Ready",
+            f"{engine_ready} of {desired} engines ready ({endpoints} routable), "
+            f"{router_ready} of {router_desired} routers ready",
+            generation,
+        )
 
     # Progressing / Degraded
     rollouts = []
@@ -224,23 +240,36 @@ def compute_status(
     for dep in (engine, router):
         progress = _deployment_condition(dep, "Progressing")
         if progress and progress.get("reason") == "ProgressDeadlineExceeded":
-            problems.append(("ProgressDeadlineExceeded",
-                             f"Deployment {(dep.get('metadata') or {}).get('name')}: "
-                             f"{progress.get('message') or 'progress deadline exceeded'}"))
+            problems.append(
+                (
+                    "ProgressDeadlineExceeded",
+                    f"Deployment {(dep.get('metadata') or {}).get('name')}: "
+                    f"{progress.get('message') or 'progress deadline exceeded'}",
+                )
+            )
         failure = _deployment_condition(dep, "ReplicaFailure")
         if failure and failure.get("status") == "True":
-            problems.append(("ReplicaFailure",
-                             f"Deployment {(dep.get('metadata') or {}).get('name')}: "
-                             f"{failure.get('message') or failure.get('reason') or 'replica failure'}"))
+            problems.append(
+                (
+                    "ReplicaFailure",
+                    f"Deployment {(dep.get('metadata') or {}).get('name')}: "
+                    f"{failure.get('message') or failure.get('reason') or 'replica failure'}",
+                )
+            )
     failed = [r for r in rollouts if r.state == "failed"]
     pending = [r for r in rollouts if r.state in ("reconciling", "rolling")]
     if refused is not None:
-        progressing = _condition("Progressing", False, refused.reason,
-                                 "nothing more is applied until this is resolved; see the Degraded condition",
-                                 generation)
+        progressing = _condition(
+            "Progressing",
+            False,
+            refused.reason,
+            "nothing more is applied until this is resolved; see the Degraded condition",
+            generation,
+        )
     elif failed:
-        progressing = _condition("Progressing", False, "ProgressDeadlineExceeded",
-                                 "; ".join(r.message for r in failed), generation)
+        progressing = _condition(
+            "Progressing", False, "ProgressDeadlineExceeded", "; ".join(r.message for r in failed), generation
+        )
     elif missing or any(r.state == "reconciling" for r in rollouts):
         msgs = ([missing_msg] if missing else []) + [r.message for r in pending]
         progressing = _condition("Progressing", True, "Reconciling", "; ".join(msgs), generation)

@@ -72,9 +72,12 @@ def _build_discovery(args: RouterArgs) -> Any:
     if not args.service_discovery:
         return StaticDiscovery(args.worker_urls)
     return EndpointSliceDiscovery(
-        args.namespace or _default_namespace(), args.service_name,
-        all_inference_services=args.all_inference_services, port_name=constants.HTTP_PORT_NAME,
-        relist_interval_s=args.discovery_relist_s, stale_after_s=args.discovery_stale_s,
+        args.namespace or _default_namespace(),
+        args.service_name,
+        all_inference_services=args.all_inference_services,
+        port_name=constants.HTTP_PORT_NAME,
+        relist_interval_s=args.discovery_relist_s,
+        stale_after_s=args.discovery_stale_s,
     )
 
 
@@ -82,8 +85,9 @@ def _upstream_transport(args: RouterArgs) -> httpx.AsyncBaseTransport:
     """The pooled transport under the httpx API for proxied requests. ``aiohttp`` (httpx-aiohttp, as the openai SDK
     offers): measured p50 router overhead 1.02 ms vs 1.17 ms with httpx's own httpcore/h11 pool, and 1,000 concurrent
     streams in 8.9 s vs 13.6 s (bench/router.py). ``httpx``: the pure-httpx pool, kept as a fallback."""
-    limits = httpx.Limits(max_connections=args.max_connections, max_keepalive_connections=args.max_connections,
-                          keepalive_expiry=4.0)
+    limits = httpx.Limits(
+        max_connections=args.max_connections, max_keepalive_connections=args.max_connections, keepalive_expiry=4.0
+    )
     if args.upstream_transport == "aiohttp":
         from httpx_aiohttp import AiohttpTransport
 
@@ -103,18 +107,30 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     if discovery is None:
         discovery = _build_discovery(args)
     metrics = RouterMetrics(discovery_age=discovery.age_s)
-    policy = make_policy(args.policy, virtual_nodes=args.virtual_nodes, load_factor=args.load_factor,
-                         balance_abs_tokens=args.balance_abs_tokens)
-    extractor = PrefixKeyExtractor(block_tokens=args.block_tokens, block_chars=args.block_chars,
-                                   prefix_blocks=args.prefix_blocks)
+    policy = make_policy(
+        args.policy,
+        virtual_nodes=args.virtual_nodes,
+        load_factor=args.load_factor,
+        balance_abs_tokens=args.balance_abs_tokens,
+    )
+    extractor = PrefixKeyExtractor(
+        block_tokens=args.block_tokens, block_chars=args.block_chars, prefix_blocks=args.prefix_blocks
+    )
     # One pooled client for all proxied requests; keep-alive shorter than uvicorn's 5 s so the engine never closes a
     # connection we are about to reuse. trust_env=False: an HTTP(S)_PROXY variable must not capture engine traffic.
-    timeout = httpx.Timeout(connect=args.connect_timeout_s, read=args.request_timeout_s,
-                            write=args.request_timeout_s, pool=args.request_timeout_s)
+    timeout = httpx.Timeout(
+        connect=args.connect_timeout_s,
+        read=args.request_timeout_s,
+        write=args.request_timeout_s,
+        pool=args.request_timeout_s,
+    )
     transport = _upstream_transport(args)
     client = httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
-    control = httpx.AsyncClient(limits=httpx.Limits(max_connections=64, keepalive_expiry=4.0),
-                                timeout=httpx.Timeout(args.connect_timeout_s), trust_env=False)
+    control = httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=64, keepalive_expiry=4.0),
+        timeout=httpx.Timeout(args.connect_timeout_s),
+        trust_env=False,
+    )
     pool = WorkerPool(args, policy, extractor, metrics, control)
     proxy = Proxy(args, pool, policy, extractor, metrics, transport, timeout)
 
@@ -139,16 +155,25 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     app = _RouterApp(title="radixserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool, app.state.proxy, app.state.metrics, app.state.client = pool, proxy, metrics, client
     app.state.policy, app.state.extractor, app.state.discovery = policy, extractor, discovery
+
     def count_edge_reply(status: int) -> None:
         proxy._count("unknown", status)
 
-    app.add_middleware(EdgeMiddleware, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key,
-                       open_paths=_OPEN_PATHS, on_reply=count_edge_reply)
+    app.add_middleware(
+        EdgeMiddleware,
+        max_body_bytes=args.max_request_body_bytes,
+        api_key=args.api_key,
+        open_paths=_OPEN_PATHS,
+        on_reply=count_edge_reply,
+    )
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(str(exc.detail), exc.status_code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     # The proxied routes are raw ASGI apps, reached through the fast path (see _RouterApp); the Route entries make
     # the ordinary path (e.g. under a root_path) and 405s for other methods work too.
@@ -156,8 +181,13 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions"), ("/generate", "generate")):
         app.fast_routes[path] = proxy.endpoint(kind, path)
         app.router.routes.append(Route(path, app.fast_routes[path], methods=["POST"]))  # type: ignore[arg-type]
-    app.fast_edge = EdgeMiddleware(app._dispatch_fast, max_body_bytes=args.max_request_body_bytes,
-                                   api_key=args.api_key, open_paths=_OPEN_PATHS, on_reply=count_edge_reply)
+    app.fast_edge = EdgeMiddleware(
+        app._dispatch_fast,
+        max_body_bytes=args.max_request_body_bytes,
+        api_key=args.api_key,
+        open_paths=_OPEN_PATHS,
+        on_reply=count_edge_reply,
+    )
 
     def cards(model: str | None = None) -> list[dict[str, Any]]:
         seen: dict[str, dict[str, Any]] = {}
@@ -182,15 +212,21 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     @app.get(constants.ROUTER_HEALTH_PATH)
     async def health() -> JSONResponse:
         age = discovery.age_s()
-        return JSONResponse({
-            "status": "ok",
-            "policy": args.policy,
-            "discovery": {"kind": discovery.kind, "age_s": age, "stale": bool(discovery.is_stale()),
-                          "last_error": _str_or_none(getattr(discovery, "last_error", None))},
-            "routable_workers": len(pool.routable(None)),
-            "prefix_keys": {m: ("tokens" if extractor.has_tokenizer(m) else "chars") for m in pool.models()},
-            "workers": [w.describe() for w in pool.workers.values()],
-        })
+        return JSONResponse(
+            {
+                "status": "ok",
+                "policy": args.policy,
+                "discovery": {
+                    "kind": discovery.kind,
+                    "age_s": age,
+                    "stale": bool(discovery.is_stale()),
+                    "last_error": _str_or_none(getattr(discovery, "last_error", None)),
+                },
+                "routable_workers": len(pool.routable(None)),
+                "prefix_keys": {m: ("tokens" if extractor.has_tokenizer(m) else "chars") for m in pool.models()},
+                "workers": [w.describe() for w in pool.workers.values()],
+            }
+        )
 
     @app.get(constants.ROUTER_READY_PATH)
     async def ready() -> Response:
@@ -231,8 +267,17 @@ def run_router(args: RouterArgs) -> int:
     _raise_file_limit()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
     app = create_app(args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), backlog=8192,
-                            access_log=False, timeout_graceful_shutdown=5, limit_concurrency=None)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        backlog=8192,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        limit_concurrency=None,
+    )
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # End requests in flight with a proper 503 / SSE error event now, rather than have the graceful timeout
@@ -260,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         args = router_args_from_namespace(parser.parse_args(argv))
     except RouterConfigError as e:
         parser.error(str(e))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     return run_router(args)
 
 

@@ -72,12 +72,25 @@ class RouterArgs:
             raise RouterConfigError("--service-discovery needs --service-name or --all-inference-services")
         if not 0 <= self.port < 65536:
             raise RouterConfigError(f"--port {self.port} is not a TCP port")
-        for name in ("block_tokens", "block_chars", "prefix_blocks", "virtual_nodes", "default_max_tokens",
-                     "eject_after_failures", "max_request_body_bytes", "max_connections"):
+        for name in (
+            "block_tokens",
+            "block_chars",
+            "prefix_blocks",
+            "virtual_nodes",
+            "default_max_tokens",
+            "eject_after_failures",
+            "max_request_body_bytes",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise RouterConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("connect_timeout_s", "request_timeout_s", "health_interval_s", "discovery_relist_s",
-                     "discovery_stale_s"):
+        for name in (
+            "connect_timeout_s",
+            "request_timeout_s",
+            "health_interval_s",
+            "discovery_relist_s",
+            "discovery_stale_s",
+        ):
             if not getattr(self, name) > 0:
                 raise RouterConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.readmit_after_s < 0:
@@ -107,8 +120,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         typ = str(f.type)
         if f.name == "worker_urls":
-            parser.add_argument(flag, nargs="+", default=default, metavar="URL",
-                                help="engine base URLs, e.g. http://127.0.0.1:30000 http://127.0.0.1:30001")
+            parser.add_argument(
+                flag,
+                nargs="+",
+                default=default,
+                metavar="URL",
+                help="engine base URLs, e.g. http://127.0.0.1:30000 http://127.0.0.1:30001",
+            )
         elif typ == "bool":
             parser.add_argument(flag, action="store_true", default=default)
         elif typ.startswith("float"):

@@ -266,7 +266,8 @@ class EndpointSliceDiscovery:
         self.relist_interval_s = float(relist_interval_s)
         self.stale_after_s = float(stale_after_s)
         self.label_selector = (
-            f"{LABEL_SERVICE_NAME}={service}" if service is not None
+            f"{LABEL_SERVICE_NAME}={service}"
+            if service is not None
             else f"{LABEL_INFERENCE_SERVICE},{LABEL_COMPONENT}={COMPONENT_ENGINE}"
         )
         self.last_error: str | None = None
@@ -372,7 +373,8 @@ class EndpointSliceDiscovery:
             resp.release_conn()
         items = body.get("items") or []
         self._slices = {
-            item["metadata"]["name"]: item for item in items
+            item["metadata"]["name"]: item
+            for item in items
             if (item.get("metadata") or {}).get("name") and _is_selected(item, self.namespace, self.service)
         }
         self._synced()

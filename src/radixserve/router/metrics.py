@@ -26,29 +26,44 @@ class RouterMetrics:
     def __init__(self, discovery_age: Callable[[], float | None] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(P + "requests_total", "Requests answered, by model and HTTP status",
-                                ["model", "code"], registry=r)
+        self.requests = Counter(
+            P + "requests_total", "Requests answered, by model and HTTP status", ["model", "code"], registry=r
+        )
         self.decisions = Counter(P + "decisions_total", "Routing decisions, by reason", ["reason"], registry=r)
         self.retries = Counter(P + "retries_total", "Attempts re-sent to the next candidate", registry=r)
         self.ejections = Counter(P + "ejections_total", "Workers ejected by the circuit breaker", registry=r)
-        self.predicted_cached = Counter(P + "predicted_cached_tokens_total",
-                                        "Prompt tokens the router predicted the chosen worker had cached", registry=r)
-        self.actual_cached = Counter(P + "actual_cached_tokens_total",
-                                     "Prompt tokens the engines reported as cached", registry=r)
-        self.inflight_requests = Gauge(P + "worker_inflight_requests", "Requests in flight per worker", ["worker"],
-                                       registry=r)
-        self.inflight_tokens = Gauge(P + "worker_inflight_tokens",
-                                     "Tokens in flight per worker (uncached prompt + max tokens)", ["worker"],
-                                     registry=r)
-        self.discovery_age = Gauge(P + "discovery_age_seconds", "Seconds since discovery last refreshed the workers",
-                                   registry=r)
+        self.predicted_cached = Counter(
+            P + "predicted_cached_tokens_total",
+            "Prompt tokens the router predicted the chosen worker had cached",
+            registry=r,
+        )
+        self.actual_cached = Counter(
+            P + "actual_cached_tokens_total", "Prompt tokens the engines reported as cached", registry=r
+        )
+        self.inflight_requests = Gauge(
+            P + "worker_inflight_requests", "Requests in flight per worker", ["worker"], registry=r
+        )
+        self.inflight_tokens = Gauge(
+            P + "worker_inflight_tokens",
+            "Tokens in flight per worker (uncached prompt + max tokens)",
+            ["worker"],
+            registry=r,
+        )
+        self.discovery_age = Gauge(
+            P + "discovery_age_seconds", "Seconds since discovery last refreshed the workers", registry=r
+        )
         self._discovery_age_fn = discovery_age
         if discovery_age is not None:
             self.discovery_age.set_function(lambda: _or_nan(discovery_age()))
-        self.duration = Histogram(P + "request_duration_seconds", "Time from request to the end of the response",
-                                  buckets=_DURATION_BUCKETS, registry=r)
-        self.ttft = Histogram(P + "ttft_seconds", "Time from request to the first streamed body chunk",
-                              buckets=_TTFT_BUCKETS, registry=r)
+        self.duration = Histogram(
+            P + "request_duration_seconds",
+            "Time from request to the end of the response",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            P + "ttft_seconds", "Time from request to the first streamed body chunk", buckets=_TTFT_BUCKETS, registry=r
+        )
 
     def forget_worker(self, url: str) -> None:
         """Drop a removed worker's gauges (so /metrics does not list departed pods forever)."""

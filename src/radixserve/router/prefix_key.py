@@ -164,8 +164,7 @@ class PrefixKeyExtractor:
                 return None
             if not isinstance(prompt, str):
                 return None
-            return self._text_key(prompt, model, salt, tokenizer, add_special_tokens=False,
-                                  extra_chars=dropped_chars)
+            return self._text_key(prompt, model, salt, tokenizer, add_special_tokens=False, extra_chars=dropped_chars)
         if endpoint == "completions":
             return self._prompt_key(body.get("prompt"), model, salt, tokenizer)
         if endpoint == "generate":
@@ -228,8 +227,15 @@ class PrefixKeyExtractor:
             return None  # a cache_salt JSON cannot carry: not from a real client
         return _digest(data.encode("ascii"))
 
-    def _key(self, kind: Literal["tokens", "chars"], model: str, h0: bytes, blocks: list[int], prompt_tokens: int,
-             block_tokens: int) -> PrefixKey:
+    def _key(
+        self,
+        kind: Literal["tokens", "chars"],
+        model: str,
+        h0: bytes,
+        blocks: list[int],
+        prompt_tokens: int,
+        block_tokens: int,
+    ) -> PrefixKey:
         k = min(self.prefix_blocks, len(blocks))
         routing_key = blocks[k - 1] if k else _as_int(h0)
         return PrefixKey(model, kind, tuple(blocks), routing_key, prompt_tokens, block_tokens)

@@ -78,8 +78,16 @@ class Proxy:
     ``httpx.AsyncClient`` wraps the same transport); requests go to it directly, with ``timeout`` applied per request.
     """
 
-    def __init__(self, args: RouterArgs, pool: WorkerPool, policy: RoutingPolicy, extractor: Any,
-                 metrics: RouterMetrics, transport: httpx.AsyncHTTPTransport, timeout: httpx.Timeout) -> None:
+    def __init__(
+        self,
+        args: RouterArgs,
+        pool: WorkerPool,
+        policy: RoutingPolicy,
+        extractor: Any,
+        metrics: RouterMetrics,
+        transport: httpx.AsyncHTTPTransport,
+        timeout: httpx.Timeout,
+    ) -> None:
         self.args = args
         self.pool = pool
         self.policy = policy
@@ -113,8 +121,16 @@ class Proxy:
             child = self._requests_children[(model, code)] = self.metrics.requests.labels(model, str(code))
         child.inc()
 
-    async def _error(self, send: Send, status: int, message: str, model: str, param: str | None = None,
-                     t0: float | None = None, worker: str | None = None) -> None:
+    async def _error(
+        self,
+        send: Send,
+        status: int,
+        message: str,
+        model: str,
+        param: str | None = None,
+        t0: float | None = None,
+        worker: str | None = None,
+    ) -> None:
         """Answer an OpenAI error body and count it (with its duration when ``t0``, the arrival time, is given;
         naming the engine at fault in ``x-radixserve-worker`` when ``worker`` is)."""
         body = json.dumps(error_body(message, status, param)).encode()
@@ -224,13 +240,13 @@ class Proxy:
                 # escape it came in as, and the engine answers 400 (regression: UnicodeEncodeError -> 500).
                 content = json.dumps(body).encode()
                 strip_usage = True
-        headers = {"content-type": "application/json", constants.HEADER_REQUEST_ID: rid,
-                   "accept-encoding": "identity"}
+        headers = {"content-type": "application/json", constants.HEADER_REQUEST_ID: rid, "accept-encoding": "identity"}
         if self._auth is not None:
             headers["authorization"] = self._auth
 
-        await _Relay(self, kind, path, model, key, workers, ranked, prompt_tokens, out_tokens, content, headers,
-                     strip_usage, t0).run(receive, send)
+        await _Relay(
+            self, kind, path, model, key, workers, ranked, prompt_tokens, out_tokens, content, headers, strip_usage, t0
+        ).run(receive, send)
 
 
 class _Endpoint:
@@ -246,9 +262,22 @@ class _Endpoint:
 class _Relay:
     """One request's dispatch, retries and relay; counts the request in flight on its worker until it ends."""
 
-    def __init__(self, proxy: Proxy, kind: Kind, path: str, model: str, key: PrefixKey | None,
-                 workers: list[WorkerState], ranked: list[RouteDecision], prompt_tokens: int, out_tokens: int,
-                 content: bytes, headers: dict[str, str], strip_usage: bool, t0: float) -> None:
+    def __init__(
+        self,
+        proxy: Proxy,
+        kind: Kind,
+        path: str,
+        model: str,
+        key: PrefixKey | None,
+        workers: list[WorkerState],
+        ranked: list[RouteDecision],
+        prompt_tokens: int,
+        out_tokens: int,
+        content: bytes,
+        headers: dict[str, str],
+        strip_usage: bool,
+        t0: float,
+    ) -> None:
         self.p = proxy
         self.kind, self.path, self.model, self.key = kind, path, model, key
         self.workers, self.ranked = workers, ranked
@@ -304,8 +333,13 @@ class _Relay:
                 self.counted = True
                 return
             if self.sse:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": _sse_error("the router is shutting down", 503)})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": True,
+                        "body": _sse_error("the router is shutting down", 503),
+                    }
+                )
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except Exception:  # noqa: BLE001 - the client may be gone already
             pass
@@ -429,8 +463,13 @@ class _Relay:
                 self.p.pool.record_failure(self.worker, f"mid-response: {type(e).__name__}")
             logger.warning("engine %s failed mid-response: %s", worker, type(e).__name__)
             if sse:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": _sse_error(f"the engine {worker} failed mid-response", 502)})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": True,
+                        "body": _sse_error(f"the engine {worker} failed mid-response", 502),
+                    }
+                )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _relay_sse(self, send: Send, resp: httpx.Response, ok: bool) -> None:
@@ -452,7 +491,7 @@ class _Relay:
             end = buf.rfind(b"\n\n")
             if end < 0:
                 continue
-            complete, buf = buf[: end + 2], buf[end + 2:]
+            complete, buf = buf[: end + 2], buf[end + 2 :]
             if strip:
                 complete = self._strip_usage_events(complete, cached)
                 if complete:
@@ -475,7 +514,7 @@ class _Relay:
         cached tokens; everything else is kept byte for byte."""
         # The engine adds "usage":null as the last key of every chunk once usage is asked for; drop it so the client
         # gets the same bytes as without include_usage.
-        complete = complete.replace(b',"usage":null}\n\n', b'}\n\n')
+        complete = complete.replace(b',"usage":null}\n\n', b"}\n\n")
         if b'"usage"' not in complete:
             return complete
         kept = []

@@ -93,8 +93,9 @@ class WorkerPool:
     Everything runs on the router's event loop; no locks.
     """
 
-    def __init__(self, args: RouterArgs, policy: RoutingPolicy, extractor: Any, metrics: RouterMetrics,
-                 client: httpx.AsyncClient) -> None:
+    def __init__(
+        self, args: RouterArgs, policy: RoutingPolicy, extractor: Any, metrics: RouterMetrics, client: httpx.AsyncClient
+    ) -> None:
         self.args = args
         self.policy = policy
         self.extractor = extractor
@@ -124,8 +125,12 @@ class WorkerPool:
             if url in self.workers:
                 self.workers[url].endpoint = ep
                 continue
-            self.workers[url] = WorkerState(url=url, endpoint=ep, load=WorkerLoad(url=url), gauges=(
-                self.metrics.inflight_requests.labels(url), self.metrics.inflight_tokens.labels(url)))
+            self.workers[url] = WorkerState(
+                url=url,
+                endpoint=ep,
+                load=WorkerLoad(url=url),
+                gauges=(self.metrics.inflight_requests.labels(url), self.metrics.inflight_tokens.labels(url)),
+            )
             logger.info("worker %s added (pending)", url)
             self._spawn(self._probe(self.workers[url]))
         self.policy.set_workers(list(self.workers))
@@ -170,8 +175,11 @@ class WorkerPool:
         cached = self._routable_cache.get(model)
         if cached is not None:
             return cached
-        out = [w for w in self.workers.values()
-               if w.state in ("closed", "half-open") and (model is None or model in w.models)]
+        out = [
+            w
+            for w in self.workers.values()
+            if w.state in ("closed", "half-open") and (model is None or model in w.models)
+        ]
         self._routable_cache[model] = out
         return out
 
@@ -215,8 +223,9 @@ class WorkerPool:
             w.state = "open"
             w.opened_at = time.monotonic()
             self.metrics.ejections.inc()
-            logger.warning("worker %s ejected after %d consecutive failures (last: %s)", w.url,
-                           w.consecutive_failures, error)
+            logger.warning(
+                "worker %s ejected after %d consecutive failures (last: %s)", w.url, w.consecutive_failures, error
+            )
             self._changed()
 
     # ------------------------------------------------------------------------------------------------ probes
@@ -227,8 +236,11 @@ class WorkerPool:
 
     async def stop(self) -> None:
         """Stop probes and tokenizer fetches."""
-        tasks = [t for t in [self._probe_task, *self._pending_probes,
-                             *(f.task for f in self._tokenizers.values())] if t is not None]
+        tasks = [
+            t
+            for t in [self._probe_task, *self._pending_probes, *(f.task for f in self._tokenizers.values())]
+            if t is not None
+        ]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -322,8 +334,11 @@ class WorkerPool:
 
     async def _fetch_tokenizer(self, model: str, w: WorkerState, f: _TokenizerFetch) -> None:
         try:
-            r = await self.client.get(w.url + constants.ENGINE_TOKENIZER_FILES_PATH, headers=self._headers,
-                                      timeout=max(self.args.connect_timeout_s, 30.0))
+            r = await self.client.get(
+                w.url + constants.ENGINE_TOKENIZER_FILES_PATH,
+                headers=self._headers,
+                timeout=max(self.args.connect_timeout_s, 30.0),
+            )
             if r.status_code == 404:
                 f.done = True  # this engine has no servable tokenizer: character blocks for this model
                 logger.info("model %s: no tokenizer from %s; routing on character blocks", model, w.url)
@@ -332,8 +347,13 @@ class WorkerPool:
                 f.failures += 1
                 if f.failures >= _TOKENIZER_ATTEMPTS:
                     f.done = True
-                    logger.warning("model %s: %s answered %d for its tokenizer %d times; routing on character "
-                                   "blocks", model, w.url, r.status_code, f.failures)
+                    logger.warning(
+                        "model %s: %s answered %d for its tokenizer %d times; routing on character blocks",
+                        model,
+                        w.url,
+                        r.status_code,
+                        f.failures,
+                    )
                 return  # try again on the next probe
             files = r.json().get("files")
             if not isinstance(files, dict) or not files:
@@ -353,8 +373,9 @@ class WorkerPool:
             logger.info("model %s: tokenizer fetch from %s failed: %s", model, w.url, _describe(e))
         except Exception as e:  # a broken tokenizer must not stop routing: character blocks stay
             f.done = True
-            logger.warning("model %s: tokenizer from %s unusable (%s); routing on character blocks", model, w.url,
-                           _describe(e))
+            logger.warning(
+                "model %s: tokenizer from %s unusable (%s); routing on character blocks", model, w.url, _describe(e)
+            )
 
 
 class _ProbeError(Exception):

@@ -45,8 +45,9 @@ class AttentionBackend(abc.ABC):
         """Precompute what every layer of this forward shares (gather indices, masks, kernel plans)."""
 
     @abc.abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_pool: "KVPool",
-                batch: "ForwardBatch") -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_pool: "KVPool", batch: "ForwardBatch"
+    ) -> torch.Tensor:
         """Store ``k``, ``v`` ``[T, Hkv, D]`` at ``batch.out_cache_loc``; attend ``q`` ``[T, Hq, D]``; ``[T, Hq*D]``."""
 
 
@@ -61,8 +62,15 @@ def flashinfer_available() -> bool:
     return True
 
 
-def create_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                             device: torch.device | str, scale: float | None = None) -> AttentionBackend:
+def create_attention_backend(
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    scale: float | None = None,
+) -> AttentionBackend:
     """Build the backend called ``name``.
 
     ``auto`` picks flashinfer when CUDA is available, flashinfer imports and ``dtype`` is fp16/bf16 (flashinfer has no

@@ -23,8 +23,15 @@ WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's documented default float wor
 class FlashInferBackend(AttentionBackend):
     """Batched paged prefill/decode kernels of flashinfer. Needs CUDA and fp16/bf16 ``dtype`` (q and KV)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 scale: float | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        scale: float | None = None,
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         import flashinfer  # lazy: CUDA hosts only
 
@@ -46,19 +53,39 @@ class FlashInferBackend(AttentionBackend):
         self._mode = batch.mode
         if batch.mode == ForwardMode.DECODE:
             self.decode.plan(
-                kv_indptr, kv_indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, 1,
-                pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+                kv_indptr,
+                kv_indices,
+                last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                1,
+                pos_encoding_mode="NONE",
+                sm_scale=self.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
             )
         else:
             qo_indptr = torch.tensor([0] + _cumsum(batch.extend_seq_lens_cpu), dtype=torch.int32)
             self.prefill.plan(
-                qo_indptr, kv_indptr, kv_indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, 1,
-                causal=True, pos_encoding_mode="NONE", sm_scale=self.scale, q_data_type=self.dtype,
+                qo_indptr,
+                kv_indptr,
+                kv_indices,
+                last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                1,
+                causal=True,
+                pos_encoding_mode="NONE",
+                sm_scale=self.scale,
+                q_data_type=self.dtype,
                 kv_data_type=self.dtype,
             )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_pool: KVPool,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_pool: KVPool, batch: ForwardBatch
+    ) -> torch.Tensor:
         """See ``AttentionBackend.forward``: ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq*D]``."""
         kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = kv_pool.get_kv(layer_id)

@@ -94,8 +94,15 @@ class TorchBackend(AttentionBackend):
     it; values below 1 slot / 2 sequences are raised to those).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 cascade_min_prefix: int = CASCADE_MIN_PREFIX, cascade_min_seqs: int = CASCADE_MIN_SEQS) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        cascade_min_prefix: int = CASCADE_MIN_PREFIX,
+        cascade_min_seqs: int = CASCADE_MIN_SEQS,
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.cascade_min_prefix = max(1, cascade_min_prefix)
         self.cascade_min_seqs = max(2, cascade_min_seqs)
@@ -148,8 +155,9 @@ class TorchBackend(AttentionBackend):
             groups.append(_ExtendGroup(q_rows, self._head_rows(shared_slots), lcp))
         return shared, groups
 
-    def _prefix_groups(self, batch: ForwardBatch, cands: list[int], caps: list[int]
-                       ) -> list[tuple[list[int], torch.Tensor, torch.Tensor, int]]:
+    def _prefix_groups(
+        self, batch: ForwardBatch, cands: list[int], caps: list[int]
+    ) -> list[tuple[list[int], torch.Tensor, torch.Tensor, int]]:
         """Shared-prefix groups among the sequences ``cands`` of ``batch`` (shared by DECODE and EXTEND).
 
         Sequences are grouped by their first KV slot; a group's shared length is the longest common prefix of its
@@ -178,8 +186,9 @@ class TorchBackend(AttentionBackend):
                 out.append((rows, rows_t, slots[0, :lcp], lcp))
         return out
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_pool: KVPool,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_pool: KVPool, batch: ForwardBatch
+    ) -> torch.Tensor:
         """See ``AttentionBackend.forward``: ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq*D]``."""
         kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = kv_pool.get_kv(layer_id)
@@ -199,14 +208,26 @@ class TorchBackend(AttentionBackend):
             if ks.dtype != qs.dtype:
                 ks, vs = ks.to(qs.dtype), vs.to(qs.dtype)
             o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=s.mask, is_causal=s.mask is None and qs.shape[2] > 1, scale=self.scale,
+                qs,
+                ks,
+                vs,
+                attn_mask=s.mask,
+                is_causal=s.mask is None and qs.shape[2] > 1,
+                scale=self.scale,
                 enable_gqa=self.group > 1,
             )
             out[s.q_start : s.q_end] = o[0].transpose(0, 1)
         return out.view(T, self.num_heads * self.head_dim)
 
-    def _extend_cascade_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
-                                v_buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _extend_cascade_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
         """EXTEND with shared-prefix groups: per group one attention of all its new tokens over the shared K/V, per
         sequence its own remaining context, merged by log-sum-exp (sequences outside groups: plain SDPA)."""
         T, Hq, Hkv, D, G = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.group
@@ -222,7 +243,12 @@ class TorchBackend(AttentionBackend):
                     ks, vs = k_buf.index_select(0, s.kv_slots), v_buf.index_select(0, s.kv_slots)
                 ks, vs = ks.to(dt).transpose(0, 1).unsqueeze(0), vs.to(dt).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=s.mask, is_causal=s.mask is None and qs.shape[2] > 1, scale=self.scale,
+                    qs,
+                    ks,
+                    vs,
+                    attn_mask=s.mask,
+                    is_causal=s.mask is None and qs.shape[2] > 1,
+                    scale=self.scale,
                     enable_gqa=G > 1,
                 )
                 out[s.q_start : s.q_end] = o[0].transpose(0, 1)
@@ -248,8 +274,9 @@ class TorchBackend(AttentionBackend):
             out.index_copy_(0, g.q_rows, o.to(dt))
         return out.view(T, Hq * D)
 
-    def _attend_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _attend_lse(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention with its log-sum-exp: ``q`` ``[1, H, M, D]``, ``k``/``v`` ``[1, H, L, D]``, bool ``mask``
         ``[M, L]`` (True = may attend; every row has one) or None -> float32 ``o`` ``[1, H, M, D]`` and
         ``lse`` ``[1, H, M]``.
@@ -260,8 +287,9 @@ class TorchBackend(AttentionBackend):
             bias = None
             if mask is not None:  # the CPU flash kernel takes an additive mask in the query dtype
                 bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias,
-                                                                                 scale=self.scale)[:2]
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, attn_mask=bias, scale=self.scale
+            )[:2]
             return o.float(), lse.float()
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
         if mask is not None:
@@ -292,8 +320,9 @@ class TorchBackend(AttentionBackend):
             for rows, rows_t, shared_slots, lcp in self._prefix_groups(batch, list(range(B)), caps):
                 for r in rows:
                     prefix_len[r] = lcp
-                groups.append(_PrefixGroup(None if rows == list(range(B)) else rows_t,
-                                           self._head_rows(shared_slots), lcp))
+                groups.append(
+                    _PrefixGroup(None if rows == list(range(B)) else rows_t, self._head_rows(shared_slots), lcp)
+                )
         suffix = [n - p for n, p in zip(lens, prefix_len)]
         max_len = max(suffix)
         offs = torch.arange(max_len, device=dev)
@@ -376,8 +405,9 @@ def _fold_heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.view(n, num_kv_heads, G, D).transpose(0, 1).reshape(1, num_kv_heads, n * G, D)
 
 
-def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of two softmax-attention partials over disjoint key sets (flashinfer's ``merge_state``)."""
     lse = torch.logaddexp(lse1, lse2)
     return o1 * (lse1 - lse).exp() + o2 * (lse2 - lse).exp(), lse

@@ -124,10 +124,17 @@ class GrammarBackend:
     Thread-safety: ``future`` / ``get`` / ``get_sync`` may be called from any thread or event loop.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE, metrics: Any = None,
-                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S, num_workers: int = DEFAULT_COMPILE_WORKERS):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        metrics: Any = None,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+        num_workers: int = DEFAULT_COMPILE_WORKERS,
+    ):
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self.metrics = metrics
@@ -204,7 +211,10 @@ class GrammarBackend:
             if now - t_wait >= self.queue_timeout_s and not entry.future.done():
                 raise InvalidRequestError(
                     f"every grammar compile worker stayed busy for {self.queue_timeout_s:g} s and this {kind} did "
-                    "not start compiling; retry later", kind, status_code=503)
+                    "not start compiling; retry later",
+                    kind,
+                    status_code=503,
+                )
             return max(0.0, min(0.05, self.queue_timeout_s - (now - t_wait)))
         left = started + self.compile_timeout_s - now
         if left > 0 or entry.future.done():
@@ -212,7 +222,9 @@ class GrammarBackend:
         err = InvalidRequestError(
             f"{kind} is too complex: compiling it took longer than the {self.compile_timeout_s:g} s limit "
             "(counted from the start of its own compile); simplify it (e.g. fewer properties, smaller repetition "
-            "counts in patterns)", kind)
+            "counts in patterns)",
+            kind,
+        )
         failed = _Compile()
         failed.started = started
         failed.future.set_exception(err)
@@ -265,8 +277,9 @@ class GrammarBackend:
                 schema = _check_schema(text)
                 check_schema_supported(schema)
                 schema = bound_schema_numbers(schema)
-                grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
-                                                       separators=JSON_SEPARATORS)
+                grammar = xgr.Grammar.from_json_schema(
+                    json.dumps(schema), any_whitespace=False, separators=JSON_SEPARATORS
+                )
                 try:
                     compiled = compiler.compile_grammar(bound_json_numbers(str(grammar)))
                 except Exception:  # the rewrite did not parse (another xgrammar's printing): unbounded numbers
@@ -370,8 +383,19 @@ UNSUPPORTED_KEYWORDS = {
     "unevaluatedItems": "unevaluatedItems is not enforced",
 }
 # Keywords whose value is one subschema / a list of subschemas / a name -> subschema map.
-_SUBSCHEMA = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else", "contains",
-              "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA = (
+    "additionalProperties",
+    "additionalItems",
+    "items",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
@@ -396,7 +420,8 @@ def check_schema_supported(schema: Any, path: str = "#") -> None:
 
     def refuse(keyword: str, why: str) -> None:
         raise InvalidRequestError(
-            f"unsupported json_schema: keyword {keyword!r} at {path}/{_pointer(keyword)}: {why}", "json_schema")
+            f"unsupported json_schema: keyword {keyword!r} at {path}/{_pointer(keyword)}: {why}", "json_schema"
+        )
 
     for keyword, why in UNSUPPORTED_KEYWORDS.items():
         if keyword in schema:
@@ -440,5 +465,6 @@ def _check_schema(text: str) -> Any:
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError(
             f"invalid json_schema: a schema must be a JSON object or boolean, got {type(schema).__name__}",
-            "json_schema")
+            "json_schema",
+        )
     return schema

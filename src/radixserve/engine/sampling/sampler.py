@@ -126,7 +126,9 @@ def sample(
     return SampleOutput(next_token_ids=ids_list, logprobs=logprobs)
 
 
-def _flat_index(rows: list[int], token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _flat_index(
+    rows: list[int], token_lists: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten per-row token lists into ``(row_index, token_index)``, each ``[total_tokens]`` int64."""
     lengths = [len(t) for t in token_lists]
     row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), torch.tensor(lengths, dtype=torch.long))
@@ -134,8 +136,9 @@ def _flat_index(rows: list[int], token_lists: list[list[int]], device: torch.dev
     return row_idx.to(device), tok_idx.to(device)
 
 
-def _per_token(values: list[float], token_lists: list[list[int]], dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
+def _per_token(
+    values: list[float], token_lists: list[list[int]], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``[sum(len(t) for t in token_lists)]``: ``values[i]`` repeated once per entry of ``token_lists[i]``."""
     v = torch.tensor(values, dtype=dtype)
     return torch.repeat_interleave(v, torch.tensor([len(t) for t in token_lists])).to(device)

@@ -89,8 +89,15 @@ class Scheduler:
     Thread-safety: ``submit`` and ``abort`` may be called from any thread; everything else runs on the loop thread.
     """
 
-    def __init__(self, runner: Any, tokenizer: Any, config: SchedulerConfig, eos_token_ids: list[int],
-                 emit: Callable[[list[ReqOutput]], None], metrics: Any = None):
+    def __init__(
+        self,
+        runner: Any,
+        tokenizer: Any,
+        config: SchedulerConfig,
+        eos_token_ids: list[int],
+        emit: Callable[[list[ReqOutput]], None],
+        metrics: Any = None,
+    ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -215,8 +222,12 @@ class Scheduler:
             logger.exception("rejected request %s", greq.rid)
             self.waiting = [r for r in self.waiting if r.rid != greq.rid]
             fr = {"type": "abort", "matched": None, "message": f"invalid request: {e}", "status_code": 400}
-            self.emit([ReqOutput(greq.rid, i, "", [], None, fr, len(greq.input_ids), 0, 0)
-                       for i in range(max(greq.sampling_params.n, 1))])
+            self.emit(
+                [
+                    ReqOutput(greq.rid, i, "", [], None, fr, len(greq.input_ids), 0, 0)
+                    for i in range(max(greq.sampling_params.n, 1))
+                ]
+            )
 
     def _add_request_unchecked(self, greq: GenerateRequest) -> None:
         params = greq.sampling_params
@@ -283,8 +294,19 @@ class Scheduler:
                 break
             if greq is not None:
                 for i in range(greq.sampling_params.n):
-                    outputs.append(ReqOutput(greq.rid, i, "", [], None, {"type": "abort", "matched": None,
-                                             "message": message}, len(greq.input_ids), 0, 0))
+                    outputs.append(
+                        ReqOutput(
+                            greq.rid,
+                            i,
+                            "",
+                            [],
+                            None,
+                            {"type": "abort", "matched": None, "message": message},
+                            len(greq.input_ids),
+                            0,
+                            0,
+                        )
+                    )
         if outputs:
             self.emit(outputs)
 
@@ -425,8 +447,9 @@ class Scheduler:
             positions.extend(range(req.kv_len, req.kv_len + req.extend_len))
             out_loc.append(self.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + req.extend_len])
         seq_lens = [r.kv_len + r.extend_len for r in batch]
-        fb = self._forward_batch(ForwardMode.EXTEND, batch, input_ids, positions, torch.cat(out_loc), seq_lens,
-                                 [r.extend_len for r in batch])
+        fb = self._forward_batch(
+            ForwardMode.EXTEND, batch, input_ids, positions, torch.cat(out_loc), seq_lens, [r.extend_len for r in batch]
+        )
         logits = self.runner.forward(fb)
         self.forward_count += 1
 
@@ -488,8 +511,16 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished]
         self.grammar_timing.add(size, constrained, time.perf_counter() - t_step, self._step_grammar_s)
 
-    def _forward_batch(self, mode: ForwardMode, batch: list[Req], input_ids: list[int], positions: list[int],
-                       out_loc: torch.Tensor, seq_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
+    def _forward_batch(
+        self,
+        mode: ForwardMode,
+        batch: list[Req],
+        input_ids: list[int],
+        positions: list[int],
+        out_loc: torch.Tensor,
+        seq_lens: list[int],
+        extend_lens: list[int],
+    ) -> ForwardBatch:
         kv = [self.req_to_token[r.req_pool_idx, :n] for r, n in zip(batch, seq_lens)]
         indptr = [0]
         for n in seq_lens:
@@ -518,8 +549,9 @@ class Scheduler:
         t0 = time.perf_counter()
         words = (self.runner.model_config.vocab_size + 31) // 32
         if self._token_bitmask is None or self._token_bitmask.shape[0] < len(reqs):
-            self._token_bitmask = torch.full((max(len(reqs), self.config.max_running_requests), words), -1,
-                                             dtype=torch.int32)
+            self._token_bitmask = torch.full(
+                (max(len(reqs), self.config.max_running_requests), words), -1, dtype=torch.int32
+            )
         bitmask = self._token_bitmask
         for i in rows:
             reqs[i].matcher.fill_next_token_bitmask(bitmask, i)
@@ -559,9 +591,16 @@ class Scheduler:
                         self.metrics.grammar_aborts_total.inc()
                     if req in self.running:
                         self.running.remove(req)
-                    self._finish(req, {"type": "abort", "matched": None, "status_code": 500,
-                                       "message": f"constrained decoding failed: the grammar rejected token {tok}"},
-                                 outputs)
+                    self._finish(
+                        req,
+                        {
+                            "type": "abort",
+                            "matched": None,
+                            "status_code": 500,
+                            "message": f"constrained decoding failed: the grammar rejected token {tok}",
+                        },
+                        outputs,
+                    )
                     continue
             req.output_ids.append(tok)
             if self.metrics is not None:

@@ -21,8 +21,14 @@ _ROLES = {"system", "user", "assistant", "tool", "developer"}
 _IMAGE_PARTS = {"image_url", "input_image", "image"}
 _AUDIO_PARTS = {"input_audio", "audio"}
 _PROBE = "radixserve-probe-7f3a"
-_PROBE_TOOL = {"type": "function", "function": {"name": "radixserve_probe_tool", "description": _PROBE,
-                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "radixserve_probe_tool",
+        "description": _PROBE,
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -137,27 +143,31 @@ def check_tool_fields(message: ChatMessage, i: int) -> None:
                 f"{where}.tool_call_id",
             )
         if message.content is None:
-            raise InvalidRequestError("a message with role 'tool' must have content (the call's result)",
-                                      f"{where}.content")
+            raise InvalidRequestError(
+                "a message with role 'tool' must have content (the call's result)", f"{where}.content"
+            )
     for j, call in enumerate(message.tool_calls or []):
         param = f"{where}.tool_calls[{j}]"
         fn = call.get("function")
         if not isinstance(fn, dict):
-            raise InvalidRequestError("a tool call needs a 'function' object {\"name\", \"arguments\"}",
-                                      f"{param}.function")
+            raise InvalidRequestError(
+                'a tool call needs a \'function\' object {"name", "arguments"}', f"{param}.function"
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("a tool call's function needs a 'name' string", f"{param}.function.name")
         if "arguments" not in fn or fn["arguments"] is None:
-            raise InvalidRequestError("a tool call's function needs 'arguments' (JSON text)",
-                                      f"{param}.function.arguments")
+            raise InvalidRequestError(
+                "a tool call's function needs 'arguments' (JSON text)", f"{param}.function.arguments"
+            )
         args = fn["arguments"]
         if isinstance(args, str):
             try:
                 json.loads(args)
             except ValueError as e:
-                raise InvalidRequestError(f"a tool call's arguments must be valid JSON text: {e}",
-                                          f"{param}.function.arguments") from None
+                raise InvalidRequestError(
+                    f"a tool call's arguments must be valid JSON text: {e}", f"{param}.function.arguments"
+                ) from None
         elif not isinstance(args, dict):
             raise InvalidRequestError(
                 f"a tool call's arguments must be JSON text, got {type(args).__name__}", f"{param}.function.arguments"

@@ -23,7 +23,6 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("radixserve.engine.server")
 
 
-
 def encode_text(tokenizer: Any, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
     """Tokenize client text. Raises InvalidRequestError (400) for text that is not valid Unicode (lone surrogates,
     which JSON can carry as ``\\ud800`` but the tokenizer rejects)."""

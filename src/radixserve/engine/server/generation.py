@@ -70,9 +70,15 @@ class GenerationGroup:
             await backend.get(*key)  # an invalid grammar is a 400 even when nothing would be generated
         for i in range(req.sampling_params.n):
             yield ReqOutput(
-                rid=req.rid, index=i, text="", token_ids=[], logprobs=[] if req.return_logprob else None,
-                finish_reason={"type": "length", "matched": None}, prompt_tokens=len(req.input_ids),
-                completion_tokens=0, cached_tokens=0,
+                rid=req.rid,
+                index=i,
+                text="",
+                token_ids=[],
+                logprobs=[] if req.return_logprob else None,
+                finish_reason={"type": "length", "matched": None},
+                prompt_tokens=len(req.input_ids),
+                completion_tokens=0,
+                cached_tokens=0,
             )
 
     async def _pump(self, pos: int, first: asyncio.Future[None]) -> None:

@@ -86,8 +86,10 @@ def create_app(engine: "Engine", manage_engine: bool = True) -> FastAPI:
     app = FastAPI(title="radixserve engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     app.add_middleware(
-        EdgeMiddleware, max_body_bytes=engine.args.max_request_body_bytes, api_key=engine.args.api_key,
-        open_paths=_OPEN_PATHS
+        EdgeMiddleware,
+        max_body_bytes=engine.args.max_request_body_bytes,
+        api_key=engine.args.api_key,
+        open_paths=_OPEN_PATHS,
     )
 
     @app.exception_handler(RequestValidationError)
@@ -101,8 +103,11 @@ def create_app(engine: "Engine", manage_engine: bool = True) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(str(exc.detail), exc.status_code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(ClientDisconnected)
     async def _on_disconnect(request: Request, exc: ClientDisconnected) -> Response:

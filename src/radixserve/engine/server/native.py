@@ -17,7 +17,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, SamplingParams, TokenLogprob
-from radixserve.engine.server.common import SampleState, encode_text, ServerContext, SSE_DONE, request_id_of, resolve_max_tokens, sse
+from radixserve.engine.server.common import (
+    SampleState,
+    encode_text,
+    ServerContext,
+    SSE_DONE,
+    request_id_of,
+    resolve_max_tokens,
+    sse,
+)
 from radixserve.engine.server.generation import GenerationGroup, respond
 from radixserve.contracts.protocol import MAX_TOP_LOGPROBS, GenerateReqInput
 
@@ -99,8 +107,13 @@ class NativeServing:
         arrival = time.monotonic()
         greqs = [
             GenerateRequest(
-                rid=rid, input_ids=ids, sampling_params=sp, return_logprob=body.return_logprob, top_logprobs_num=k,
-                stream=body.stream, arrival_time=arrival,
+                rid=rid,
+                input_ids=ids,
+                sampling_params=sp,
+                return_logprob=body.return_logprob,
+                top_logprobs_num=k,
+                stream=body.stream,
+                arrival_time=arrival,
             )
             for rid, ids, sp in zip(rids, prompts, sps)
         ]

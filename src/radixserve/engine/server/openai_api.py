@@ -249,9 +249,7 @@ class OpenAIServing:
                 found[kind] = (kind, value)
         if len(found) > 1:
             names = list(found)
-            raise InvalidRequestError(
-                f"only one output constraint per request; got {' and '.join(names)}", names[1]
-            )
+            raise InvalidRequestError(f"only one output constraint per request; got {' and '.join(names)}", names[1])
         out: dict[str, str | None] = {"json_schema": None, "regex": None, "ebnf": None}
         for kind, text in found.values():
             out[kind] = text
@@ -270,9 +268,15 @@ class OpenAIServing:
             top_p=defaults.get("top_p", 1.0) if req.top_p is None else req.top_p,
             top_k=defaults.get("top_k", -1) if req.top_k is None else req.top_k,
             min_p=defaults.get("min_p", 0.0) if req.min_p is None else req.min_p,
-            presence_penalty=defaults.get("presence_penalty", 0.0) if req.presence_penalty is None else req.presence_penalty,
-            frequency_penalty=defaults.get("frequency_penalty", 0.0) if req.frequency_penalty is None else req.frequency_penalty,
-            repetition_penalty=defaults.get("repetition_penalty", 1.0) if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=defaults.get("presence_penalty", 0.0)
+            if req.presence_penalty is None
+            else req.presence_penalty,
+            frequency_penalty=defaults.get("frequency_penalty", 0.0)
+            if req.frequency_penalty is None
+            else req.frequency_penalty,
+            repetition_penalty=defaults.get("repetition_penalty", 1.0)
+            if req.repetition_penalty is None
+            else req.repetition_penalty,
             seed=req.seed,
             stop=stop,
             stop_token_ids=list(req.stop_token_ids or []),
@@ -336,9 +340,7 @@ class OpenAIServing:
             # this server does not produce: refused rather than ignored (or answered in the tool_calls shape, which
             # a legacy client would not read).
             if getattr(req, legacy) is not None:
-                raise InvalidRequestError(
-                    f"{legacy} (deprecated) is not supported; use {current} instead", legacy
-                )
+                raise InvalidRequestError(f"{legacy} (deprecated) is not supported; use {current} instead", legacy)
         functions = validate_tools(req.tools)
         choice = resolve_tool_choice(functions, req.tool_choice, args.tool_choice_as_auto)
         k = 0
@@ -372,17 +374,29 @@ class OpenAIServing:
         rids = ctx.rids.claim(request_id_of(request.scope), 1)
         rid = rids[0]
         greq = GenerateRequest(
-            rid=rid, input_ids=ids, sampling_params=sp, return_logprob=req.logprobs, top_logprobs_num=k,
-            stream=req.stream, arrival_time=time.monotonic(),
+            rid=rid,
+            input_ids=ids,
+            sampling_params=sp,
+            return_logprob=req.logprobs,
+            top_logprobs_num=k,
+            stream=req.stream,
+            arrival_time=time.monotonic(),
         )
         group = self._group([greq], req.stream)
         if choice.forced:
             index = {f["name"]: i for i, f in enumerate(functions)}
             used = [f for f in functions if choice.mode == "required" or f["name"] == choice.name]
-            group = ToolGrammarGroup(group, ctx.engine, [
-                (f"tools[{index[f['name']]}].function.parameters", json.dumps(call_schema([f], ToolChoice("required"))))
-                for f in used
-            ])
+            group = ToolGrammarGroup(
+                group,
+                ctx.engine,
+                [
+                    (
+                        f"tools[{index[f['name']]}].function.parameters",
+                        json.dumps(call_schema([f], ToolChoice("required"))),
+                    )
+                    for f in used
+                ],
+            )
         n = req.n
         model = ctx.model_name
         with_reasoning = args.reasoning_parser is not None
@@ -392,7 +406,9 @@ class OpenAIServing:
 
         def usage_of(states: list[SampleState], parsers: list[ChatOutputParser]) -> Usage:
             return Usage.of(
-                len(ids), sum(s.completion_tokens for s in states), max(s.cached_tokens for s in states),
+                len(ids),
+                sum(s.completion_tokens for s in states),
+                max(s.cached_tokens for s in states),
                 sum(p.reasoning_tokens for p in parsers) if with_reasoning else None,
             )
 
@@ -427,7 +443,8 @@ class OpenAIServing:
                     ChatCompletionChoice(
                         index=i,
                         message=ChatResponseMessage(
-                            content=content, reasoning_content=g.reasoning if has_reasoning else None,
+                            content=content,
+                            reasoning_content=g.reasoning if has_reasoning else None,
                             tool_calls=calls or None,
                         ),
                         logprobs=self._chat_logprobs(st.logprobs, k) if req.logprobs else None,
@@ -537,8 +554,13 @@ class OpenAIServing:
         arrival = time.monotonic()
         greqs = [
             GenerateRequest(
-                rid=rid, input_ids=ids, sampling_params=p, return_logprob=k is not None, top_logprobs_num=k or 0,
-                stream=req.stream, arrival_time=arrival,
+                rid=rid,
+                input_ids=ids,
+                sampling_params=p,
+                return_logprob=k is not None,
+                top_logprobs_num=k or 0,
+                stream=req.stream,
+                arrival_time=arrival,
             )
             for rid, (_, ids), p in zip(rids, prompts, reqs_sp)
         ]
@@ -566,7 +588,9 @@ class OpenAIServing:
                     logprobs = self._legacy_logprobs(st.logprobs, k, offsets, prompts[pos][1] if req.echo else None)
                 choices.append(
                     CompletionChoice(
-                        index=c, text=echo_texts[pos] + st.text, logprobs=logprobs,
+                        index=c,
+                        text=echo_texts[pos] + st.text,
+                        logprobs=logprobs,
                         finish_reason=openai_finish_reason(st.finish_reason),
                     )
                 )

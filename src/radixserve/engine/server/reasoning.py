@@ -67,7 +67,7 @@ class ReasoningStream:
             if self.state == "begin":
                 head = self.buf.lstrip()
                 if head.startswith(self.start_tag):
-                    self.buf = head[len(self.start_tag):]
+                    self.buf = head[len(self.start_tag) :]
                     self.state, self.has_reasoning = "reasoning", True
                     self.reasoning_tokens += self._pending_tokens
                     self._pending_tokens = 0
@@ -81,12 +81,12 @@ class ReasoningStream:
                 i = self.buf.find(self.end_tag)
                 if i >= 0:
                     out.reasoning += self.buf[:i]
-                    self.buf = self.buf[i + len(self.end_tag):]
+                    self.buf = self.buf[i + len(self.end_tag) :]
                     self.state = "after"
                     continue
                 keep = _partial_suffix(self.buf, self.end_tag)
                 out.reasoning += self.buf[: len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep:]
+                self.buf = self.buf[len(self.buf) - keep :]
                 return
             if self.state == "after":
                 self.buf = self.buf.lstrip()

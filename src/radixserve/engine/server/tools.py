@@ -80,7 +80,7 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise InvalidRequestError(f"{where} must be a function tool {{\"type\": \"function\", ...}}", where)
+            raise InvalidRequestError(f'{where} must be a function tool {{"type": "function", ...}}', where)
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise InvalidRequestError(f"{where}.function must be an object", f"{where}.function")
@@ -108,12 +108,31 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
 
 
 _TYPES = {"string", "number", "integer", "boolean", "object", "array", "null"}
-_SUBSCHEMA = ("additionalProperties", "additionalItems", "items", "not", "contains", "propertyNames", "if", "then",
-              "else", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA = (
+    "additionalProperties",
+    "additionalItems",
+    "items",
+    "not",
+    "contains",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 _SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
-           "maxContains")
+_COUNTS = (
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "minContains",
+    "maxContains",
+)
 _NUMBERS = ("minimum", "maximum", "multipleOf")
 
 
@@ -449,6 +468,6 @@ class ChatOutputParser:
                 if TOOL_CALL_START.startswith(self.pending[-k:]):
                     keep = k
                     break
-            released, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+            released, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
         self.content_sent += released
         return released

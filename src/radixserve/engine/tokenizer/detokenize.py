@@ -58,7 +58,7 @@ class IncrementalDetokenizer:
         """Text of ``ids[surr_offset:]`` beyond the context ``ids[surr_offset:read_offset]``."""
         # The context is a prefix of the window's text for ByteLevel and SentencePiece decoders (they decode each
         # piece independently and only touch the window's first piece); cut by length, as vLLM does.
-        return self._decode(self.surr_offset)[len(self._surr_text):]
+        return self._decode(self.surr_offset)[len(self._surr_text) :]
 
     def add_tokens(self, token_ids: list[int]) -> str:
         """Append generated token ids; return the newly stable text (possibly empty).
@@ -71,7 +71,7 @@ class IncrementalDetokenizer:
         self.ids.extend(token_ids)
         delta = self._window_delta()
         if delta and not delta.endswith(REPLACEMENT_CHAR):
-            out = delta[self._emitted_in_window:]
+            out = delta[self._emitted_in_window :]
             self.surr_offset = self.read_offset
             self.read_offset = len(self.ids)
             self._surr_text = self._decode(self.surr_offset, self.read_offset)
@@ -80,7 +80,7 @@ class IncrementalDetokenizer:
             # Everything before the trailing replacement characters is final: UTF-8 is self-synchronising, so later
             # bytes can only change the incomplete sequence at the end.
             stable = delta.rstrip(REPLACEMENT_CHAR)
-            out = stable[self._emitted_in_window:]
+            out = stable[self._emitted_in_window :]
             self._emitted_in_window = max(self._emitted_in_window, len(stable))
         self.output_text += out
         return out
@@ -88,7 +88,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Return whatever is held back (e.g. a trailing invalid byte sequence) at the end of generation."""
         delta = self._window_delta()
-        out = delta[self._emitted_in_window:]
+        out = delta[self._emitted_in_window :]
         self.surr_offset = self.read_offset = len(self.ids)
         self._surr_text = ""
         self._emitted_in_window = 0

@@ -36,8 +36,13 @@ class PrefixHashPolicy(IndexedPolicy):
 
     name = "prefix_hash"
 
-    def __init__(self, virtual_nodes: int = 256, load_factor: float = 1.25, capacity_blocks_per_worker: int = 65536,
-                 balance_abs_tokens: int = 2048):
+    def __init__(
+        self,
+        virtual_nodes: int = 256,
+        load_factor: float = 1.25,
+        capacity_blocks_per_worker: int = 65536,
+        balance_abs_tokens: int = 2048,
+    ):
         if virtual_nodes < 1:
             raise ValueError("virtual_nodes must be >= 1")
         if load_factor < 1.0:
@@ -97,8 +102,7 @@ class PrefixHashPolicy(IndexedPolicy):
         def fits(url: str) -> bool:
             load = by_url[url].inflight_tokens
             cost = max(0, cost_tokens - self.predicted_cached_tokens(url, key))
-            return (load + cost <= self.load_factor * (total + cost) / n
-                    or load - least <= self.balance_abs_tokens)
+            return load + cost <= self.load_factor * (total + cost) / n or load - least <= self.balance_abs_tokens
 
         fitting = [u for u in order if fits(u)]
         owner = order[0]
