@@ -51,7 +51,9 @@ docker info >/dev/null 2>&1 || die "the docker CLI cannot reach a Docker engine 
 [ -d "$CHART" ] || die "$CHART not found"
 [ -f "$SAMPLE" ] || die "$SAMPLE not found"
 
-VERSION="$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' pyproject.toml | head -n 1)"
+# The first match, without a `sed | head` pipe (head exiting early fails a pipeline under pipefail).
+versions="$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' pyproject.toml)"
+VERSION="${versions%%$'\n'*}"
 [ -n "$VERSION" ] || die "no version in pyproject.toml"
 IMAGE="${IMAGE_REPOSITORY}:${VERSION}"
 

@@ -23,10 +23,16 @@ if [[ -z "${PY:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 
+# Captures each tool's output, then matches it. Not `tool version | grep -q ...`: under pipefail that pipeline fails
+# whenever grep exits at its first match while the tool is still writing (SIGPIPE) -- kubectl writes its
+# "Client Version" and "Kustomize Version" lines separately, so the check failed about 1 run in 4.
 have_tools() {
+  local helm_out kubectl_out
   [[ -x "$BIN/helm" && -x "$BIN/kubectl" ]] || return 1
-  "$BIN/helm" version --short 2>/dev/null | grep -q "^${HELM_VERSION}" || return 1
-  "$BIN/kubectl" version --client 2>/dev/null | grep -q "Client Version: ${KUBECTL_VERSION}" || return 1
+  helm_out=$("$BIN/helm" version --short 2>/dev/null) || return 1
+  [[ "$helm_out" == "${HELM_VERSION}"* ]] || return 1
+  kubectl_out=$("$BIN/kubectl" version --client 2>/dev/null) || return 1
+  [[ "$kubectl_out" == *"Client Version: ${KUBECTL_VERSION}"* ]] || return 1
 }
 
 if have_tools; then
