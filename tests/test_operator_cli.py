@@ -11,11 +11,12 @@ import sys
 import httpx
 import pytest
 
+from radixserve.contracts import constants
+from radixserve.launch.cli import main
+
 from conftest import free_port
 from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 from operator_scenario import OperatorHarness, child_path, isvc_body, isvc_path, until
-from radixserve.contracts import constants
-from radixserve.launch.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

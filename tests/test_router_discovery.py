@@ -13,19 +13,22 @@ import kmock
 import pytest
 import pytest_asyncio
 
-from k8s_emulator import K8sEmulator, write_kubeconfig
-from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 from radixserve.contracts.constants import COMPONENT_ENGINE, COMPONENT_ROUTER, LABEL_COMPONENT, LABEL_INFERENCE_SERVICE
+from radixserve.contracts.kube import KubeConfigError, kube_api_client
 from radixserve.router.discovery import (
     LABEL_SERVICE_NAME,
     EndpointSliceDiscovery,
-    KubeConfigError,
     StaticDiscovery,
     endpoints_from_slices,
-    kube_api_client,
     normalize_url,
 )
 from radixserve.router.types import Endpoint
+
+from k8s_emulator import (
+    K8sEmulator,
+    k8s,  # noqa: F401 - pytest fixture
+    write_kubeconfig,
+)
 
 NS = "ml"
 SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,12 +27,20 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 def valid_request_id(value: str | None) -> bool:
     """Whether a client's ``x-request-id`` can be used as is: printable ASCII, at most 128 characters."""
-    return bool(value) and len(value) <= MAX_REQUEST_ID_LEN and all(33 <= ord(c) < 127 for c in value)
+    return value is not None and 0 < len(value) <= MAX_REQUEST_ID_LEN and all(33 <= ord(c) < 127 for c in value)
 
 
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
     """A JSON response with the OpenAI error body."""
     return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+async def http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's HTTP errors (404 unknown path, 405 wrong method, ...) with the OpenAI error body and the
+    exception's headers (e.g. ``Allow`` on a 405). Install with
+    ``app.add_exception_handler(StarletteHTTPException, http_exception_handler)``."""
+    assert isinstance(exc, StarletteHTTPException)
+    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
 
 class EdgeMiddleware:

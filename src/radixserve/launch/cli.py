@@ -17,14 +17,15 @@ import argparse
 import logging
 import os
 import sys
-import threading
-from typing import Any
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from radixserve.contracts import constants
 
+if TYPE_CHECKING:  # pragma: no cover - the engine (torch) is imported only by the commands that run it
+    from radixserve.engine.config import EngineArgs
+
 _REPO_ROOT = Path(__file__).resolve().parents[3]  # src/radixserve/launch/cli.py -> the checkout
-_NOT_YET: dict[str, int] = {}  # subcommand -> the issue that builds it
 
 
 def resolve_model_path(path: str) -> str:
@@ -82,50 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         "in-cluster service account, else the kubeconfig.",
     )
     add_operator_args(p_operator)
-    for name, issue in _NOT_YET.items():
-        sub.add_parser(name, help=f"not implemented yet (issue {issue})")
     return parser
-
-
-def run_engine(args: "EngineArgs") -> int:  # noqa: F821 - imported lazily (torch is slow to import)
-    """Load the engine, serve it with uvicorn until Ctrl-C/SIGTERM (the app's lifespan shuts the engine down)."""
-    import uvicorn
-
-    from radixserve.engine.engine import Engine
-    from radixserve.engine.server.http import create_app
-
-    args.model_path = resolve_model_path(args.model_path)
-    if args.tokenizer_path:
-        args.tokenizer_path = resolve_model_path(args.tokenizer_path)
-    if not args.served_model_name:
-        args.served_model_name = os.path.basename(os.path.normpath(args.model_path)).removesuffix(".gguf").lower()
-    log = logging.getLogger("radixserve")
-    log.info("loading %s (served as %s)", args.model_path, args.served_model_name)
-    engine = Engine(args)
-    app = create_app(engine)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5
-    )
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # Abort in-flight requests at once (clients get an OpenAI-format 503 or a stream error event) instead
-            # of letting uvicorn wait out its graceful timeout and cancel handlers mid-response.
-            threading.Thread(target=engine.shutdown, name="radixserve-shutdown", daemon=True).start()
-            super().handle_exit(sig, frame)
-
-    server = Server(config)
-    log.info("serving %s on http://%s:%d", engine.served_model_name, args.host, args.port)
-    server.run()
-    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``radixserve`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in _NOT_YET:  # before parsing: their future flags are unknown here
-        print(f"radixserve {argv[0]}: not implemented yet (issue {_NOT_YET[argv[0]]})", file=sys.stderr)
-        return 2
     ns = build_parser().parse_args(argv)
     if not isinstance(logging.getLevelName(str(ns.log_level).upper()), int):
         print(
@@ -137,10 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    if ns.command in ("router", "up"):
-        raise_open_files_limit()
     if ns.command == "operator":
-        from radixserve.operator.main import config_from_namespace, main as run_operator
+        from radixserve.operator.main import config_from_namespace
+        from radixserve.operator.main import main as run_operator
 
         try:
             config = config_from_namespace(ns)
@@ -159,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         args = engine_args_from_namespace(ns)
         if ns.command == "up":
             return run_up(args, ns)
+        from radixserve.engine.server.http import run_engine
+
+        args.model_path = resolve_model_path(args.model_path)
+        if args.tokenizer_path:
+            args.tokenizer_path = resolve_model_path(args.tokenizer_path)
         return run_engine(args)
     except KeyboardInterrupt:  # Ctrl-C while a model was still loading
         return 130
@@ -167,20 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def raise_open_files_limit() -> None:
-    """Raise the soft open-files limit to the hard one: a router holds two sockets per stream (client + engine), and
-    the usual soft limit of 1024 would refuse connections near 500 concurrent streams."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: keep the limit
-        pass
-
-
-def run_up(engine_args: "EngineArgs", ns: argparse.Namespace) -> int:  # noqa: F821
+def run_up(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
     """The local stack: router flags from the public-endpoint flags, engines from the rest."""
     from radixserve.launch.local_stack import run_local_stack
     from radixserve.router.config import RouterArgs

@@ -28,7 +28,7 @@ logger = logging.getLogger("radixserve.up")
 _PER_ENGINE_FIELDS = frozenset({"host", "port", "num_threads"})
 
 
-def engine_argv(args: "EngineArgs", port: int, num_threads: int) -> list[str]:
+def engine_argv(args: EngineArgs, port: int, num_threads: int) -> list[str]:
     """Command line for one engine child: ``python -m radixserve engine`` with every engine flag that differs from
     its default, plus this engine's port and thread count."""
     from radixserve.engine.config import EngineArgs
@@ -116,8 +116,9 @@ class EngineSupervisor:
 
     def _spawn(self, i: int) -> None:
         # Own process group: a terminal's Ctrl-C reaches only this process, which then stops the engines in order.
-        self.procs[i] = subprocess.Popen(self.argvs[i], start_new_session=True, preexec_fn=_die_with_parent)
-        logger.info("engine %d started (pid %d): %s", i, self.procs[i].pid, " ".join(self.argvs[i][2:]))
+        proc = subprocess.Popen(self.argvs[i], start_new_session=True, preexec_fn=_die_with_parent)
+        self.procs[i] = proc
+        logger.info("engine %d started (pid %d): %s", i, proc.pid, " ".join(self.argvs[i][2:]))
 
     def _watch(self) -> None:
         backoff = [1.0] * len(self.argvs)
@@ -148,7 +149,7 @@ class EngineSupervisor:
                 p.wait()
 
 
-def run_local_stack(engine_args: "EngineArgs", router_args: "RouterArgs", engines: int, engine_base_port: int) -> int:
+def run_local_stack(engine_args: EngineArgs, router_args: RouterArgs, engines: int, engine_base_port: int) -> int:
     """Run ``engines`` engine children on ``engine_base_port``, ``+1``, ... and the router (``router_args``, whose
     worker URLs are set here) in this process until Ctrl-C/SIGTERM. Returns the exit status."""
     from radixserve.router.app import run_router

@@ -1,9 +1,9 @@
 """Running the operator: ``radixserve operator [flags]`` -> kopf, with /metrics and /healthz beside it.
 
 kopf logs in by itself (``kopf.login_via_client``: in-cluster service account, else the kubeconfig); the reconciler's
-own calls use an official ``kubernetes`` client configured the same way (``load_kube_client``). kopf runs standalone
-(no peering objects: the chart runs one replica) and watches either the given namespaces or the whole cluster. kopf
-stops on SIGTERM/SIGINT (its own signal handlers) after the handlers in flight finish.
+own calls use an official ``kubernetes`` client configured the same way (``radixserve.contracts.kube``). kopf runs
+standalone (no peering objects: the chart runs one replica) and watches either the given namespaces or the whole
+cluster. kopf stops on SIGTERM/SIGINT (its own signal handlers) after the handlers in flight finish.
 """
 
 from __future__ import annotations
@@ -12,21 +12,19 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import radixserve
 from radixserve.contracts import constants
+from radixserve.contracts.kube import KubeConfigError, kube_api_client
 
 __all__ = [
     "OperatorConfig",
     "DEFAULT_IMAGE",
-    "KubeConfigError",
     "add_operator_args",
     "config_from_namespace",
-    "load_kube_client",
     "run_operator",
     "main",
 ]
@@ -125,47 +123,6 @@ def config_from_namespace(ns: argparse.Namespace) -> OperatorConfig:
     )
 
 
-class KubeConfigError(Exception):
-    """No usable Kubernetes credentials: not in a cluster, and the kubeconfig is missing or unusable. The message is
-    one line naming the file and where its path came from."""
-
-
-def load_kube_client() -> Any:
-    """A ``kubernetes.client.ApiClient`` from the in-cluster service account, else the kubeconfig ($KUBECONFIG or
-    ~/.kube/config), as kopf's own login does. Raises KubeConfigError when neither works."""
-    import kubernetes
-    import yaml
-
-    try:
-        kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException as incluster:
-        # The client reads $KUBECONFIG into this global at import time (a ':'-separated list of files).
-        location = os.path.expanduser(kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION)
-        source = "from $KUBECONFIG" if os.environ.get("KUBECONFIG") else "the default; $KUBECONFIG is not set"
-        cluster = (
-            "not running in a cluster ($KUBERNETES_SERVICE_HOST/_PORT unset)"
-            if not os.environ.get("KUBERNETES_SERVICE_HOST")
-            else f"the in-cluster service account failed ({str(incluster).rstrip('.')})"
-        )
-        where = f"{cluster} and the kubeconfig {location} ({source})"
-        if not any(os.path.exists(p) for p in location.split(os.pathsep) if p):
-            raise KubeConfigError(f"no Kubernetes credentials: {where} does not exist") from None
-        try:
-            kubernetes.config.load_kube_config()
-        except (
-            kubernetes.config.ConfigException,
-            yaml.YAMLError,
-            OSError,
-            TypeError,
-            AttributeError,
-            KeyError,
-            ValueError,
-        ) as exc:
-            detail = " ".join(str(exc).split()) or type(exc).__name__
-            raise KubeConfigError(f"no Kubernetes credentials: {where} cannot be used: {detail}") from None
-    return kubernetes.client.ApiClient()
-
-
 async def run_operator(
     config: OperatorConfig,
     *,
@@ -176,7 +133,7 @@ async def run_operator(
 ) -> None:
     """Run kopf with this operator's handlers until ``stop_flag`` (asyncio.Event/Future) is set or SIGTERM/SIGINT.
 
-    ``api_client``: the reconciler's kubernetes ApiClient (default ``load_kube_client()``); ``ready_flag`` (an
+    ``api_client``: the reconciler's kubernetes ApiClient (default ``kube_api_client()``); ``ready_flag`` (an
     asyncio or threading Event) is set when kopf has started (it also gates /healthz); ``metrics``: an
     ``OperatorMetrics`` to read the counters (tests).
     """
@@ -188,7 +145,7 @@ async def run_operator(
     from radixserve.operator.metrics import OperatorMetrics, serve
     from radixserve.operator.render import RenderOptions
 
-    client = api_client if api_client is not None else load_kube_client()
+    client = api_client if api_client is not None else kube_api_client()
     # kopf logs every child watch event's and resync tick's success at INFO: demoted to DEBUG while we run.
     quiet = QuietHandlerSuccess()
     kopf_objects = logging.getLogger("kopf.objects")
@@ -222,7 +179,7 @@ def main(config: OperatorConfig) -> int:
     """Run the operator in a new event loop until SIGTERM/SIGINT; the exit status: 0, or 2 (one line on stderr) when
     there are no usable Kubernetes credentials."""
     try:
-        client = load_kube_client()
+        client = kube_api_client()
     except KubeConfigError as exc:
         print(f"radixserve operator: {exc}", file=sys.stderr)
         return 2

@@ -20,7 +20,8 @@ import random
 import re
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from radixserve.contracts.constants import (
@@ -31,17 +32,17 @@ from radixserve.contracts.constants import (
     LABEL_SERVICE_NAME,
 )
 from radixserve.contracts.endpointslice import serving_address
+from radixserve.contracts.kube import kube_api_client
 from radixserve.router.types import Endpoint
 
 if TYPE_CHECKING:  # kubernetes is imported lazily: a router with static URLs never needs it
     import kubernetes
+    import urllib3
 
 __all__ = [
     "OnChange",
     "StaticDiscovery",
     "EndpointSliceDiscovery",
-    "KubeConfigError",
-    "kube_api_client",
     "normalize_url",
     "endpoints_from_slices",
     "LABEL_SERVICE_NAME",
@@ -186,30 +187,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}".rstrip(": ")
 
 
-class KubeConfigError(RuntimeError):
-    """No Kubernetes API configuration: neither in a pod (service account) nor a usable kubeconfig."""
-
-
-def kube_api_client() -> "kubernetes.client.ApiClient":
-    """An ApiClient from the in-cluster service account when running in a pod, else from the kubeconfig
-    (``$KUBECONFIG`` or ``~/.kube/config``). Raises KubeConfigError when neither works."""
-    from kubernetes import client, config
-
-    configuration = client.Configuration()
-    try:
-        config.load_incluster_config(client_configuration=configuration)
-    except config.ConfigException as in_cluster_error:
-        try:
-            config.load_kube_config(client_configuration=configuration)
-        except Exception as kubeconfig_error:  # ConfigException, or OSError/yaml errors on a broken file
-            raise KubeConfigError(
-                "cannot reach the Kubernetes API: not running in a pod "
-                f"({in_cluster_error}) and no usable kubeconfig "
-                f"({config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION}: {kubeconfig_error})"
-            ) from kubeconfig_error
-    return client.ApiClient(configuration=configuration)
-
-
 class _Gone(Exception):
     """The watch's resourceVersion expired (410): re-list."""
 
@@ -247,7 +224,7 @@ class EndpointSliceDiscovery:
         port_name: str = HTTP_PORT_NAME,
         relist_interval_s: float = 30.0,
         stale_after_s: float = 90.0,
-        api_client: "kubernetes.client.ApiClient | None" = None,
+        api_client: kubernetes.client.ApiClient | None = None,
     ):
         if not namespace:
             raise ValueError("namespace is required")
@@ -278,7 +255,7 @@ class EndpointSliceDiscovery:
         self._backoff_max_s = min(5.0, self.relist_interval_s)
         # State below is written by the watch thread only; the loop thread reads the scalars.
         self._slices: dict[str, dict[str, Any]] = {}
-        self._published: dict[str, tuple[Endpoint, tuple]] | None = None
+        self._published: dict[str, tuple[Endpoint, tuple[tuple[str, str], ...]]] | None = None
         self._last_sync: float | None = None  # monotonic time of the last successful list / watch contact
         self._started_at: float | None = None
         self._stop = threading.Event()
@@ -361,11 +338,15 @@ class EndpointSliceDiscovery:
 
     def _relist(self) -> str:
         """LIST the slices, replace the whole state with them, publish. Returns the list's resourceVersion."""
-        resp = self._discovery_api.list_namespaced_endpoint_slice(
-            self.namespace,
-            label_selector=self.label_selector,
-            _preload_content=False,
-            _request_timeout=(self._connect_timeout_s, max(30.0, self._connect_timeout_s)),
+        # With _preload_content=False the client returns the raw urllib3 response, not the annotated model.
+        resp = cast(
+            "urllib3.BaseHTTPResponse",
+            self._discovery_api.list_namespaced_endpoint_slice(
+                self.namespace,
+                label_selector=self.label_selector,
+                _preload_content=False,
+                _request_timeout=(self._connect_timeout_s, max(30.0, self._connect_timeout_s)),
+            ),
         )
         try:
             body = json.loads(resp.data)

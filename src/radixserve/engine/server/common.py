@@ -13,9 +13,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from radixserve.contracts import constants
-from radixserve.engine.io_struct import InvalidRequestError, ReqOutput, TokenLogprob
 from radixserve.contracts.edge import REQUEST_ID_SCOPE_KEY
-from radixserve.contracts.protocol import error_body, random_id
+from radixserve.contracts.protocol import random_id
+from radixserve.engine.io_struct import InvalidRequestError, ReqOutput, TokenLogprob
 
 if TYPE_CHECKING:  # pragma: no cover
     from radixserve.engine.engine import Engine
@@ -30,7 +30,8 @@ def encode_text(tokenizer: Any, text: str, param: str, add_special_tokens: bool 
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidRequestError(f"{param} is not valid Unicode: {e.reason} at position {e.start}", param) from e
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return ids
 
 
 class RidRegistry:
@@ -150,13 +151,13 @@ class TextOffsets:
 class ServerContext:
     """Everything the route handlers need, built once per app from the engine (no module-level state)."""
 
-    engine: "Engine"
+    engine: Engine
     texts: TokenTexts
     rids: RidRegistry = field(default_factory=RidRegistry)
     _template_caps: Any = None
 
     @classmethod
-    def of(cls, engine: "Engine") -> "ServerContext":
+    def of(cls, engine: Engine) -> ServerContext:
         from radixserve.engine.server.reasoning import make_reasoning_stream
 
         make_reasoning_stream(getattr(engine.args, "reasoning_parser", None))  # fail at startup on an unknown name
@@ -259,19 +260,6 @@ def abort_error(fr: dict[str, Any]) -> InvalidRequestError:
     """The error to report for a request the engine aborted on its own (shutdown, out of memory, ...)."""
     status = int(fr.get("status_code") or 503)
     return InvalidRequestError(str(fr.get("message") or "the request was aborted by the engine"), None, status)
-
-
-def sse(obj: Any) -> bytes:
-    """One server-sent event ``data: <json>\\n\\n``."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def sse_error(message: str, status: int) -> bytes:
-    """A mid-stream error event: ``{"error": <OpenAI error body>}`` (the OpenAI SDK raises ``APIError`` on it)."""
-    return sse({"error": error_body(message, status)})
 
 
 class SSEResponse(StreamingResponse):

@@ -13,14 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.contracts.sse import SSE_DONE, sse_error
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput
-from radixserve.engine.server.common import SSE_DONE, SSEResponse, sse_error
+from radixserve.engine.server.common import SSEResponse
 
 if TYPE_CHECKING:  # pragma: no cover
     from radixserve.engine.engine import Engine
@@ -37,6 +39,20 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
 
 
+class OutputGroup(Protocol):
+    """What ``respond`` drives: a ``GenerationGroup`` or a wrapper of one (openai_api's ``PreflightGroup``,
+    ``ToolGrammarGroup``)."""
+
+    async def start(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, ReqOutput]]: ...
+
+    async def aclose(self) -> None: ...
+
+
+GroupT = TypeVar("GroupT", bound=OutputGroup)
+
+
 class GenerationGroup:
     """Concurrent generations of several ``GenerateRequest`` s, merged into one stream of ``(position, ReqOutput)``.
 
@@ -51,7 +67,7 @@ class GenerationGroup:
             await group.aclose()           # aborts whatever is still running
     """
 
-    def __init__(self, engine: "Engine", reqs: list[GenerateRequest]):
+    def __init__(self, engine: Engine, reqs: list[GenerateRequest]):
         self.engine = engine
         self.reqs = reqs
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -60,7 +76,7 @@ class GenerationGroup:
         self._open = len(reqs)
         self._closed = False
 
-    async def _nothing_to_generate(self, req: GenerateRequest) -> AsyncIterator[ReqOutput]:
+    async def _nothing_to_generate(self, req: GenerateRequest) -> AsyncGenerator[ReqOutput, None]:
         """``max_new_tokens == 0``: answered here (finish "length", no tokens) without a forward pass."""
         if not self.engine.is_healthy():
             raise InvalidRequestError("the engine is not ready", None, status_code=503)
@@ -184,13 +200,13 @@ def status_of(exc: BaseException) -> int:
 
 
 async def respond(
-    ctx: "ServerContext",
+    ctx: ServerContext,
     request: Request,
-    group: GenerationGroup,
+    group: GroupT,
     rids: list[str],
     stream: bool,
-    collect: Callable[[GenerationGroup], Awaitable[Response]],
-    chunks: Callable[[GenerationGroup], AsyncIterator[bytes]],
+    collect: Callable[[GroupT], Awaitable[Response]],
+    chunks: Callable[[GroupT], AsyncIterator[bytes]],
 ) -> Response:
     """Run ``group`` and answer with ``collect`` (non-streaming) or an SSE stream of ``chunks``.
 

@@ -2,10 +2,11 @@
 
 Routes: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``POST /flush_cache``,
-``POST /abort_request``, ``GET /metrics``, ``GET /get_tokenizer_files`` (for routers that key on token blocks). Every error is the OpenAI error body (``radixserve.contracts.protocol.error_body``):
-validation errors are 400 (not FastAPI's 422), unexpected exceptions 500 without a traceback. A pure-ASGI middleware
-assigns and echoes ``x-request-id``, enforces the request body limit (413) and the optional bearer API key (401).
-The HTTP event loop never runs a model forward: the engine's scheduler thread does.
+``POST /abort_request``, ``GET /metrics``, ``GET /get_tokenizer_files`` (for routers that key on token blocks). Every
+error is the OpenAI error body (``radixserve.contracts.protocol.error_body``): validation errors are 400 (not
+FastAPI's 422), unexpected exceptions 500 without a traceback. A pure-ASGI middleware assigns and echoes
+``x-request-id``, enforces the request body limit (413) and the optional bearer API key (401). The HTTP event loop
+never runs a model forward: the engine's scheduler thread does.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -22,28 +24,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from radixserve.contracts import constants
-from radixserve.engine.io_struct import InvalidRequestError
-from radixserve.contracts.edge import EdgeMiddleware, error_response
-from radixserve.engine.server.common import ServerContext
-from radixserve.engine.server.generation import ClientDisconnected
-from radixserve.engine.server.native import NativeServing
-from radixserve.engine.server.openai_api import OpenAIServing
+from radixserve.contracts.edge import EdgeMiddleware, error_response, http_exception_handler
 from radixserve.contracts.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateReqInput,
     ModelCard,
     ModelList,
-    error_body,
 )
+from radixserve.engine.io_struct import InvalidRequestError
+from radixserve.engine.server.common import ServerContext
+from radixserve.engine.server.generation import ClientDisconnected
+from radixserve.engine.server.native import NativeServing
+from radixserve.engine.server.openai_api import OpenAIServing
 
 if TYPE_CHECKING:  # pragma: no cover
+    from radixserve.engine.config import EngineArgs
     from radixserve.engine.engine import Engine
 
 logger = logging.getLogger("radixserve.engine.server")
 
-# Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key).
+# Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key), and out of the INFO
+# access log (the router and the kubelet probe every few seconds).
 _OPEN_PATHS = frozenset({constants.ENGINE_HEALTH_PATH, constants.ENGINE_HEALTH_GENERATE_PATH, "/metrics"})
+_PROBE_PATHS = _OPEN_PATHS | {constants.ENGINE_TOKENIZER_FILES_PATH, "/v1/models", "/get_model_info"}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -58,7 +62,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def create_app(engine: "Engine", manage_engine: bool = True) -> FastAPI:
+def create_app(engine: Engine, manage_engine: bool = True) -> FastAPI:
     """The engine's FastAPI app.
 
     With ``manage_engine`` the app's lifespan starts the engine (``engine.start()`` in a worker thread, so ``/health``
@@ -101,13 +105,7 @@ def create_app(engine: "Engine", manage_engine: bool = True) -> FastAPI:
     async def _on_invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
         return error_response(exc.message, exc.status_code, exc.param)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(exc.detail), exc.status_code),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+    app.add_exception_handler(StarletteHTTPException, http_exception_handler)
 
     @app.exception_handler(ClientDisconnected)
     async def _on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
@@ -209,6 +207,39 @@ def saved_tokenizer_files(tokenizer: Any) -> dict[str, str]:
     return files
 
 
-def _log_start_failure(task: "asyncio.Future[None]") -> None:
+def _log_start_failure(task: asyncio.Future[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("engine failed to start", exc_info=task.exception())
+
+
+def run_engine(args: EngineArgs) -> int:
+    """Load the engine for ``args`` (the served model name defaults to the model directory's or GGUF file's name) and
+    serve it with uvicorn on ``args.host:args.port`` until Ctrl-C/SIGTERM; returns the exit status. The app's
+    lifespan shuts the engine down."""
+    import os
+    import threading
+
+    from radixserve.contracts.serving import serve
+    from radixserve.engine.engine import Engine
+
+    if not args.served_model_name:
+        args.served_model_name = os.path.basename(os.path.normpath(args.model_path)).removesuffix(".gguf").lower()
+    logger.info("loading %s (served as %s)", args.model_path, args.served_model_name)
+    engine = Engine(args)
+    app = create_app(engine)
+
+    def abort_requests_in_flight() -> None:
+        # Abort in-flight requests at once (clients get an OpenAI-format 503 or a stream error event) instead of
+        # letting uvicorn wait out its graceful timeout and cancel handlers mid-response.
+        threading.Thread(target=engine.shutdown, name="radixserve-shutdown", daemon=True).start()
+
+    logger.info("serving %s on http://%s:%d", engine.served_model_name, args.host, args.port)
+    return serve(
+        app,
+        args.host,
+        args.port,
+        args.log_level,
+        on_exit=abort_requests_in_flight,
+        probe_paths=_PROBE_PATHS,
+        timeout_graceful_shutdown=5,
+    )

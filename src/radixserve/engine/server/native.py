@@ -1,4 +1,4 @@
-"""SGLang's native ``POST /generate`` (shape in shared/CONTRACTS.md "Native request").
+"""SGLang's native ``POST /generate`` (shape in docs/contracts.md, "Native POST /generate").
 
 One ``GenerateRequest`` per prompt; a list of prompts (``[str]`` or ``[[int]]``) or ``n > 1`` gives a list of
 results, ordered prompt-major (prompt 0's samples, then prompt 1's ...). Streaming sends one SSE chunk per engine delta
@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.contracts.protocol import MAX_TOP_LOGPROBS, GenerateReqInput
+from radixserve.contracts.sse import SSE_DONE, sse
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, SamplingParams, TokenLogprob
 from radixserve.engine.server.common import (
     SampleState,
-    encode_text,
     ServerContext,
-    SSE_DONE,
+    encode_text,
     request_id_of,
     resolve_max_tokens,
-    sse,
 )
 from radixserve.engine.server.generation import GenerationGroup, respond
-from radixserve.contracts.protocol import MAX_TOP_LOGPROBS, GenerateReqInput
 
 
 class NativeServing:
@@ -48,7 +48,7 @@ class NativeServing:
             return [encode_text(tok, t, "text") for t in body.text], True
         ids = body.input_ids
         if ids and isinstance(ids[0], list):
-            prompts = [list(x) for x in ids]  # type: ignore[union-attr]
+            prompts = [list(x) for x in ids]
             batch = True
         else:
             prompts = [list(ids or [])]  # type: ignore[arg-type]

@@ -19,39 +19,13 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any, TypeGuard
 
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, SamplingParams, TokenLogprob
-from radixserve.engine.server.chat import RenderOptions, render_prompt
-from radixserve.engine.server.common import (
-    SSE_DONE,
-    SampleState,
-    ServerContext,
-    TextOffsets,
-    abort_error,
-    chat_id,
-    completion_id,
-    encode_text,
-    openai_finish_reason,
-    request_id_of,
-    resolve_max_tokens,
-    sse,
-)
-from radixserve.engine.server.generation import GenerationGroup, respond
-from radixserve.engine.server.reasoning import make_reasoning_stream
-from radixserve.engine.server.tools import (
-    ChatOutputParser,
-    ChoiceDelta,
-    ToolChoice,
-    call_schema,
-    new_call_id,
-    resolve_tool_choice,
-    validate_tools,
-)
 from radixserve.contracts.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_TOP_LOGPROBS,
@@ -75,6 +49,32 @@ from radixserve.contracts.protocol import (
     Usage,
     now,
 )
+from radixserve.contracts.sse import SSE_DONE, sse
+from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, SamplingParams, TokenLogprob
+from radixserve.engine.server.chat import RenderOptions, render_prompt
+from radixserve.engine.server.common import (
+    SampleState,
+    ServerContext,
+    TextOffsets,
+    abort_error,
+    chat_id,
+    completion_id,
+    encode_text,
+    openai_finish_reason,
+    request_id_of,
+    resolve_max_tokens,
+)
+from radixserve.engine.server.generation import GenerationGroup, OutputGroup, respond
+from radixserve.engine.server.reasoning import make_reasoning_stream
+from radixserve.engine.server.tools import (
+    ChatOutputParser,
+    ChoiceDelta,
+    ToolChoice,
+    call_schema,
+    new_call_id,
+    resolve_tool_choice,
+    validate_tools,
+)
 
 logger = logging.getLogger("radixserve.engine.server")
 
@@ -84,7 +84,7 @@ _OpenAIRequest = ChatCompletionRequest | CompletionRequest
 JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})  # response_format {"type": "json_object"}
 
 
-def _is_abort(fr: dict[str, Any] | None) -> bool:
+def _is_abort(fr: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     return fr is not None and fr.get("type") == "abort"
 
 
@@ -135,26 +135,27 @@ class PreflightGroup:
     def __init__(self, group: GenerationGroup):
         self.group = group
         self.head: list[tuple[int, ReqOutput]] = []
-        self._it: Any = None
+        self._it: AsyncIterator[tuple[int, ReqOutput]] | None = None
 
     async def start(self) -> None:
         await self.group.start()
-        self._it = self.group.__aiter__()
+        it = self._it = self.group.__aiter__()
         seen: set[int] = set()
         while len(seen) < len(self.group.reqs):  # every first output is already queued: this does not wait on decoding
             try:
-                pos, out = await self._it.__anext__()
+                pos, out = await it.__anext__()
             except StopAsyncIteration:
                 break
             self.head.append((pos, out))
             seen.add(pos)
             if _is_abort(out.finish_reason):
-                raise abort_error(out.finish_reason)  # type: ignore[arg-type]
+                raise abort_error(out.finish_reason)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, ReqOutput]]:
         for item in self.head:
             yield item
         self.head = []
+        assert self._it is not None, "start() first"
         async for item in self._it:
             yield item
 
@@ -170,7 +171,7 @@ class ToolGrammarGroup:
     (``"required"``), the one that fails to compile alone is named (compiled through the engine's grammar backend,
     whose cache holds the result), or ``tools`` when none can be singled out."""
 
-    def __init__(self, group: Any, engine: Any, tool_params: list[tuple[str, str]]):
+    def __init__(self, group: OutputGroup, engine: Any, tool_params: list[tuple[str, str]]):
         self.group, self.engine, self.tool_params = group, engine, tool_params
 
     async def _culprit(self) -> str:
@@ -219,7 +220,7 @@ class OpenAIServing:
         if req.stream_options is not None and not req.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
 
-    def _group(self, reqs: list[GenerateRequest], stream: bool) -> Any:
+    def _group(self, reqs: list[GenerateRequest], stream: bool) -> OutputGroup:
         group = GenerationGroup(self.ctx.engine, reqs)
         return PreflightGroup(group) if stream and self.ctx.engine.args.stream_error_preflight else group
 
@@ -412,7 +413,7 @@ class OpenAIServing:
                 sum(p.reasoning_tokens for p in parsers) if with_reasoning else None,
             )
 
-        async def collect(group: GenerationGroup) -> Response:
+        async def collect(group: OutputGroup) -> Response:
             states = [SampleState() for _ in range(n)]
             parsers = [parser() for _ in range(n)]
             got = [ChoiceDelta() for _ in range(n)]
@@ -429,10 +430,11 @@ class OpenAIServing:
             choices = []
             for i, st in enumerate(states):
                 if _is_abort(st.finish_reason):
-                    raise abort_error(st.finish_reason)  # type: ignore[arg-type]
+                    raise abort_error(st.finish_reason)
                 take(i, parsers[i].finish())
                 g = got[i]
-                has_reasoning = parsers[i].reasoning is not None and parsers[i].reasoning.has_reasoning
+                reasoning = parsers[i].reasoning
+                has_reasoning = reasoning is not None and reasoning.has_reasoning
                 content: str | None = g.content
                 if g.calls or has_reasoning:
                     content = g.content.strip() or None
@@ -457,7 +459,7 @@ class OpenAIServing:
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def chunks(group: GenerationGroup) -> AsyncIterator[bytes]:
+        async def chunks(group: OutputGroup) -> AsyncIterator[bytes]:
             cid, created = chat_id(rid), now()
 
             def chunk(choices: list[ChatCompletionStreamChoice], usage: Usage | None = None) -> bytes:
@@ -473,7 +475,7 @@ class OpenAIServing:
             async for _, out in group:
                 states[out.index].add(out)
                 if _is_abort(out.finish_reason):
-                    raise abort_error(out.finish_reason)  # type: ignore[arg-type]
+                    raise abort_error(out.finish_reason)
                 p = parsers[out.index]
                 d = p.feed(out.text, len(out.token_ids))
                 if out.finish_reason is not None:
@@ -573,14 +575,14 @@ class OpenAIServing:
             cached = sum(max(states[p * n + j].cached_tokens for j in range(n)) for p in range(len(prompts)))
             return Usage.of(sum(len(ids) for _, ids in prompts), sum(s.completion_tokens for s in states), cached)
 
-        async def collect(group: GenerationGroup) -> Response:
+        async def collect(group: OutputGroup) -> Response:
             states = [SampleState() for _ in range(len(prompts) * n)]
             async for pos, out in group:
                 states[pos * n + out.index].add(out)
             choices = []
             for c, st in enumerate(states):
                 if _is_abort(st.finish_reason):
-                    raise abort_error(st.finish_reason)  # type: ignore[arg-type]
+                    raise abort_error(st.finish_reason)
                 pos = c // n
                 logprobs = None
                 if k is not None:
@@ -599,7 +601,7 @@ class OpenAIServing:
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def chunks(group: GenerationGroup) -> AsyncIterator[bytes]:
+        async def chunks(group: OutputGroup) -> AsyncIterator[bytes]:
             created = now()
 
             def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
@@ -622,7 +624,7 @@ class OpenAIServing:
                 c = pos * n + out.index
                 states[c].add(out)
                 if _is_abort(out.finish_reason):
-                    raise abort_error(out.finish_reason)  # type: ignore[arg-type]
+                    raise abort_error(out.finish_reason)
                 logprobs = None
                 if k is not None and out.logprobs:
                     logprobs = self._legacy_logprobs(out.logprobs, k, offsets[c])

@@ -1,0 +1,22 @@
+"""Server-sent events as the engine and the router write them (OpenAI's streaming format): ``data: <json>`` events,
+an error event carrying the OpenAI error body under ``error``, and the closing ``data: [DONE]``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from radixserve.contracts.protocol import error_body
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event ``data: <compact JSON>\\n\\n`` (UTF-8, non-ASCII kept as is)."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+def sse_error(message: str, status: int) -> bytes:
+    """A mid-stream error event ``{"error": <OpenAI error body>}`` (the OpenAI SDK raises ``APIError`` on it). A
+    stream that fails after it started sends this, then ``SSE_DONE``."""
+    return sse({"error": error_body(message, status)})

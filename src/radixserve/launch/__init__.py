@@ -1,0 +1,1 @@
+"""The launchers: the ``radixserve`` CLI (``cli``) and the local stack (``local_stack``); they import the wings."""

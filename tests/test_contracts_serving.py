@@ -1,0 +1,110 @@
+"""radixserve.contracts.serving and .sse: what the engine and the router share to serve HTTP."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+
+from radixserve.contracts.serving import ACCESS_LOGGER, ProbeAccessFilter
+from radixserve.contracts.sse import SSE_DONE, sse, sse_error
+
+from conftest import free_port
+
+
+def access_record(path: str) -> logging.LogRecord:
+    # uvicorn's access-log record: '%s - "%s %s HTTP/%s" %d'
+    return logging.LogRecord(
+        ACCESS_LOGGER,
+        logging.INFO,
+        __file__,
+        1,
+        '%s - "%s %s HTTP/%s" %d',
+        ("1.2.3.4:5", "GET", path, "1.1", 200),
+        None,
+    )
+
+
+def test_probe_requests_leave_the_info_access_log_and_others_stay() -> None:
+    f = ProbeAccessFilter({"/health", "/metrics"})
+    logger = logging.getLogger(ACCESS_LOGGER)
+    old = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        assert not f.filter(access_record("/health"))
+        assert not f.filter(access_record("/metrics?x=1"))  # the query is not part of the path
+        assert f.filter(access_record("/v1/chat/completions"))
+        assert f.filter(access_record("/healthz"))
+        logger.setLevel(logging.DEBUG)
+        assert f.filter(access_record("/health"))  # at DEBUG every request is logged
+    finally:
+        logger.setLevel(old)
+
+
+def test_sse_framing() -> None:
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    event = sse_error("boom", 503)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert json.loads(event[6:]) == {
+        "error": {"object": "error", "message": "boom", "type": "service_unavailable", "param": None, "code": 503}
+    }
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+SERVER = textwrap.dedent(
+    """
+    import logging, sys
+    from radixserve.contracts.serving import serve
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    try:
+        serve(app, "127.0.0.1", int(sys.argv[1]), "info", on_exit=lambda: print("ON_EXIT", flush=True),
+              probe_paths={"/health"})
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once shut down
+        sys.exit(130)
+    """
+)
+
+
+def test_serve_calls_on_exit_on_sigint_and_keeps_probes_out_of_the_log() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+                time.sleep(0.1)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").text == "ok"
+        assert httpx.get(f"http://127.0.0.1:{port}/work").text == "ok"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "ON_EXIT" in out
+    assert '"GET /work HTTP/1.1" 200' in out  # uvicorn's access log goes to stdout
+    assert "/health" not in out + err
