@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from fake_engine import FakeEngine, ServerThread, load_tokenizer, sse_payloads, wait_until
 from radixserve.contracts import constants
 from radixserve.engine.io_struct import InvalidRequestError
 from radixserve.engine.server.http import create_app as engine_app
 from radixserve.router.app import create_app
 from radixserve.router.config import RouterArgs
+
+from fake_engine import FakeEngine, ServerThread, load_tokenizer, sse_payloads, wait_until
 
 MODEL = "smollm2-135m-instruct"
 MSGS = [{"role": "user", "content": "Say hello."}]
@@ -398,6 +401,112 @@ def test_models_aggregated_and_routed_by_model(tok):
         assert resp.status_code == 200 and resp.headers[constants.HEADER_WORKER] == urls[1]
 
 
+# ------------------------------------------------------------------------------------------------ readiness
+
+
+def ready_lines(caplog: Any) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "radixserve.router" and r.getMessage().startswith(("ready:", "all "))
+    ]
+
+
+def test_models_503_until_an_engine_is_routable_then_listed(tok):
+    with engines(tok, 2) as (fakes, urls):
+        for e in fakes:
+            e.healthy = False  # still loading: /health answers 503
+        with router(urls, wait_for=0) as r:
+            for path in ("/v1/models", "/v1/models/" + MODEL, "/ready"):
+                assert_error(httpx.get(r + path), 503, "no engine is ready yet (0 of 2 routable); retry shortly")
+            chat = {"model": MODEL, "messages": MSGS, "max_tokens": 2}
+            assert_error(httpx.post(r + "/v1/chat/completions", json=chat), 503, "no engine is ready yet (0 of 2")
+            fakes[0].healthy = True
+            assert wait_until(lambda: httpx.get(r + "/v1/models").status_code == 200, 30)
+            assert [m["id"] for m in httpx.get(r + "/v1/models").json()["data"]] == [MODEL]
+            assert httpx.get(r + "/v1/models/" + MODEL).json()["id"] == MODEL
+            assert_error(httpx.get(r + "/v1/models/nope"), 404)  # routable now: an unknown model is a 404 again
+
+
+def test_ready_line_logged_once_when_every_engine_is_routable(tok, caplog):
+    caplog.set_level(logging.INFO, logger="radixserve.router")
+    with engines(tok, 2) as (fakes, urls):
+        fakes[1].healthy = False
+        # port: only what the line shows (the test server listens on a free port of its own)
+        with router(urls, wait_for=1, port=8123) as r:
+            time.sleep(1.0)  # well inside the grace period: 1 of 2 routable is not "ready" yet
+            assert ready_lines(caplog) == []
+            fakes[1].healthy = True
+            assert wait_until(lambda: ready_lines(caplog), 30)
+            # A request sent right after the line is answered.
+            resp = httpx.post(r + "/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+            time.sleep(1.5)  # three more probe rounds: still one line
+    assert ready_lines(caplog) == ["ready: http://127.0.0.1:8123/v1 — smollm2-135m-instruct on 2 engines"]
+
+
+def test_ready_line_after_grace_when_one_engine_stays_down(tok, caplog, monkeypatch):
+    from radixserve.router import readiness
+
+    monkeypatch.setattr(readiness, "READY_GRACE_S", 1.0)
+    caplog.set_level(logging.INFO, logger="radixserve.router")
+    with engines(tok, 2, names=[MODEL, "other-model"]) as (fakes, urls):
+        fakes[1].healthy = False
+        with router(urls, wait_for=1) as r:
+            assert wait_until(lambda: ready_lines(caplog), 30)
+            assert ready_lines(caplog) == [
+                "ready: http://127.0.0.1:8000/v1 — smollm2-135m-instruct on 1 of 2 engines "
+                "(the others are not routable yet)"
+            ]
+            fakes[1].healthy = True
+            assert wait_until(lambda: len(ready_lines(caplog)) == 2, 30)
+            assert ready_lines(caplog)[1] == "all 2 engines routable — other-model, smollm2-135m-instruct"
+            assert health(r)["routable_workers"] == 2
+
+
+class _Pool:
+    """What ReadyAnnouncer reads of a WorkerPool."""
+
+    def __init__(self, total: int) -> None:
+        self.workers = {f"http://e{i}": None for i in range(total)}
+        self.up: dict[str, list[str]] = {}  # routable worker -> its models
+
+    def routable(self, model: str | None) -> list[str]:
+        return list(self.up)
+
+    def routable_models(self) -> list[str]:
+        return sorted({m for ms in self.up.values() for m in ms})
+
+
+def test_ready_announcer_counts_models_and_restarts_its_grace_clock(caplog):
+    from radixserve.router.readiness import ReadyAnnouncer
+
+    caplog.set_level(logging.INFO, logger="radixserve.router")
+    pool = _Pool(3)
+    ann = ReadyAnnouncer(pool, "::1", 9000, grace_s=10.0)
+    assert not ann.check(now=0.0)
+    assert ann.not_ready_message() == "no engine is ready yet (0 of 3 routable); retry shortly"
+    pool.up = {"http://e0": ["b"]}
+    assert not ann.check(now=1.0)  # grace clock starts
+    pool.up = {}
+    assert not ann.check(now=5.0)  # nothing routable again: the clock restarts
+    pool.up = {"http://e0": ["b"], "http://e1": ["a"]}
+    assert not ann.check(now=6.0) and not ann.check(now=15.9)
+    assert ready_lines(caplog) == []
+    assert not ann.check(now=16.0)
+    assert ready_lines(caplog) == [
+        "ready: http://[::1]:9000/v1 — a, b on 2 of 3 engines (the others are not routable yet)"
+    ]
+    pool.up = {}
+    assert ann.not_ready_message() == "no engine is routable now (0 of 3); retry shortly"
+    pool.up = {f"http://e{i}": ["a"] for i in range(3)}
+    assert ann.check(now=17.0) and ann.check(now=18.0)
+    assert ready_lines(caplog)[1:] == ["all 3 engines routable — a"]
+    assert ReadyAnnouncer(_Pool(0), "127.0.0.1", 1).not_ready_message() == (
+        "no engine has been discovered yet; retry shortly"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ streaming
 
 
@@ -433,7 +542,7 @@ def test_client_disconnect_aborts_upstream(tok):
             with httpx.stream("POST", r + path, json=body, headers={"x-request-id": rid}, timeout=60) as resp:
                 assert resp.status_code == 200
                 next(resp.iter_raw())  # the stream is flowing
-            assert wait_until(lambda: rid in fakes[0].aborted, 30), fakes[0].aborted
+            assert wait_until(lambda rid=rid: rid in fakes[0].aborted, 30), fakes[0].aborted
             assert wait_until(lambda: health(r)["workers"][0]["inflight_requests"] == 0, 10)
         assert health(r)["workers"][0]["inflight_tokens"] == 0
 

@@ -70,6 +70,30 @@ def _wait(predicate, timeout_s: float, what: str, proc: subprocess.Popen) -> Non
     pytest.fail(f"timed out waiting for {what}")
 
 
+def _ready_lines(log_path: str) -> list[str]:
+    with open(log_path, encoding="utf-8") as f:
+        return [line.split(": ", 1)[1].rstrip("\n") for line in f if "radixserve.router: ready: " in line]
+
+
+def _check_ready_line(router: str, port: int, log_path: str, proc: subprocess.Popen) -> None:
+    """Until the ready line, /v1/models is a 503 (not an empty list); the line names the real port, model and
+    engine count; the first request sent right after it is answered."""
+    models = httpx.get(router + "/v1/models", timeout=5)
+    if not _ready_lines(log_path):
+        assert models.status_code in (200, 503), models.text  # 200: one engine routable, the line awaits both
+        if models.status_code == 503:
+            assert models.json()["type"] == "service_unavailable"
+            assert "no engine is ready yet (0 of 2 routable)" in models.json()["message"]
+    _wait(lambda: _ready_lines(log_path), 300, "the ready line", proc)
+    reply = httpx.post(
+        router + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    assert _ready_lines(log_path) == [f"ready: http://127.0.0.1:{port}/v1 — {MODEL} on 2 engines"]
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     port, base = _free_port_pair(), _free_port_pair()
@@ -102,6 +126,7 @@ def stack(tmp_path_factory):
     engines = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
     try:
         _wait(lambda: httpx.get(router + "/health", timeout=2).status_code == 200, 60, "the router", proc)
+        _check_ready_line(router, port, logfile.name, proc)
         _wait(
             lambda: all(w["state"] == "closed" for w in _workers(router).values()) and len(_workers(router)) == 2,
             300,

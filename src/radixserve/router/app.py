@@ -1,11 +1,11 @@
 """The router's HTTP server: ``create_app(args)`` builds the FastAPI app, ``run_router(args)`` serves it with uvicorn.
 
 Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` (proxied, see ``proxy.py``);
-``GET /v1/models`` (aggregated over routable workers), ``/v1/models/{model}``, ``/health`` (200 while the router
-runs, with discovery age and every worker's state), ``/ready`` (200 when a worker is routable, else an OpenAI-format
-503), ``/metrics``. Like the engine's server (engine/server/http.py), a pure-ASGI edge middleware assigns and echoes
-``x-request-id``, enforces the body limit (413) and the optional bearer API key (401), and every error is the
-OpenAI error body.
+``GET /v1/models`` (aggregated over routable workers; an OpenAI-format 503 while none is), ``/v1/models/{model}``,
+``/health`` (200 while the router runs, with discovery age and every worker's state), ``/ready`` (200 when a worker is
+routable, else 503), ``/metrics``; ``readiness.py`` logs the ``ready:`` line. Like the engine's server
+(engine/server/http.py), a pure-ASGI edge middleware assigns and echoes ``x-request-id``, enforces the body limit (413)
+and the optional bearer API key (401), and every error is the OpenAI error body.
 """
 
 from __future__ import annotations
@@ -14,23 +14,25 @@ import asyncio
 import contextlib
 import logging
 import sys
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from radixserve.contracts import constants
-from radixserve.contracts.edge import EdgeMiddleware
+from radixserve.contracts.edge import EdgeMiddleware, http_exception_handler
 from radixserve.contracts.edge import error_response as _error_response
-from radixserve.contracts.protocol import ModelCard, error_body
+from radixserve.contracts.protocol import ModelCard
+from radixserve.contracts.serving import raise_open_files_limit, serve
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.proxy import Proxy
+from radixserve.router.proxy import Kind, Proxy
+from radixserve.router.readiness import ReadyAnnouncer
 from radixserve.router.workers import WorkerPool
 
 logger = logging.getLogger("radixserve.router")
@@ -133,6 +135,8 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     )
     pool = WorkerPool(args, policy, extractor, metrics, control)
     proxy = Proxy(args, pool, policy, extractor, metrics, transport, timeout)
+    readiness = ReadyAnnouncer(pool, args.host, args.port)
+    proxy.unavailable_message = readiness.not_ready_message
 
     def on_change(endpoints: dict[str, Any]) -> None:
         pool.sync({ep.url: ep for ep in endpoints.values()})
@@ -143,9 +147,13 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         await pool.start()
         await discovery.start(on_change)
         logger.info("router up: policy %s, discovery %s", args.policy, discovery.kind)
+        if pool.workers:  # so "Uvicorn running" below is not taken for "ready"
+            logger.info("waiting for %d engine(s) to load; requests get 503 until the ready line", len(pool.workers))
+        announcing = asyncio.get_running_loop().create_task(readiness.run())
         try:
             yield
         finally:
+            announcing.cancel()
             with contextlib.suppress(Exception):
                 await discovery.stop()
             await pool.stop()
@@ -155,6 +163,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     app = _RouterApp(title="radixserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool, app.state.proxy, app.state.metrics, app.state.client = pool, proxy, metrics, client
     app.state.policy, app.state.extractor, app.state.discovery = policy, extractor, discovery
+    app.state.readiness = readiness
 
     def count_edge_reply(status: int) -> None:
         proxy._count("unknown", status)
@@ -167,20 +176,19 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         on_reply=count_edge_reply,
     )
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(exc.detail), exc.status_code),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+    app.add_exception_handler(StarletteHTTPException, http_exception_handler)
 
     # The proxied routes are raw ASGI apps, reached through the fast path (see _RouterApp); the Route entries make
     # the ordinary path (e.g. under a root_path) and 405s for other methods work too.
     app.fast_routes = {}
-    for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions"), ("/generate", "generate")):
+    kinds: tuple[tuple[str, Kind], ...] = (
+        ("/v1/chat/completions", "chat"),
+        ("/v1/completions", "completions"),
+        ("/generate", "generate"),
+    )
+    for path, kind in kinds:
         app.fast_routes[path] = proxy.endpoint(kind, path)
-        app.router.routes.append(Route(path, app.fast_routes[path], methods=["POST"]))  # type: ignore[arg-type]
+        app.router.routes.append(Route(path, app.fast_routes[path], methods=["POST"]))
     app.fast_edge = EdgeMiddleware(
         app._dispatch_fast,
         max_body_bytes=args.max_request_body_bytes,
@@ -200,11 +208,16 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
+        # 503, not an empty list, while nothing is routable: an empty list reads as "this server has no models".
+        if not pool.routable(None):
+            return _error_response(readiness.not_ready_message(), 503)
         return JSONResponse({"object": "list", "data": cards()})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> JSONResponse:
         found = cards(model)
+        if not found and not pool.routable(None):
+            return _error_response(readiness.not_ready_message(), 503)
         if not found:
             return _error_response(f"The model `{model}` does not exist.", 404, "model")
         return JSONResponse(found[0])
@@ -233,7 +246,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         n = len(pool.routable(None))
         if n:
             return JSONResponse({"status": "ready", "routable_workers": n})
-        return _error_response("no engine is available", 503)
+        return _error_response(readiness.not_ready_message(), 503)
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -247,50 +260,32 @@ def _str_or_none(x: Any) -> str | None:
     return None if x is None else str(x)
 
 
-def _raise_file_limit() -> None:
-    """Raise the open-file soft limit to the hard limit: each stream holds a client and an upstream socket."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or hard > soft:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
-    except (ImportError, ValueError, OSError):  # pragma: no cover - not Unix, or not allowed
-        pass
-
-
 def run_router(args: RouterArgs) -> int:
     """Serve the router with uvicorn on ``args.host:args.port`` until Ctrl-C/SIGTERM; returns the exit status.
     No concurrency limit; a large listen backlog; no per-request access log (it sits in every request's path)."""
-    import uvicorn
-
-    _raise_file_limit()
+    raise_open_files_limit()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
     app = create_app(args)
-    config = uvicorn.Config(
+
+    def end_requests_in_flight() -> None:
+        # End requests in flight with a proper 503 / SSE error event now, rather than have the graceful timeout
+        # cut them; the signal may arrive mid-loop-iteration, so hand it to the loop.
+        loop = getattr(app.state, "loop", None)
+        if loop is not None:
+            loop.call_soon_threadsafe(app.state.proxy.begin_shutdown)
+
+    logger.info("router serving on http://%s:%d", args.host, args.port)
+    return serve(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        backlog=8192,
+        args.host,
+        args.port,
+        args.log_level,
+        on_exit=end_requests_in_flight,
         access_log=False,
+        backlog=8192,
         timeout_graceful_shutdown=5,
         limit_concurrency=None,
     )
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # End requests in flight with a proper 503 / SSE error event now, rather than have the graceful timeout
-            # cut them; the signal may arrive mid-loop-iteration, so hand it to the loop.
-            loop = getattr(app.state, "loop", None)
-            if loop is not None:
-                loop.call_soon_threadsafe(app.state.proxy.begin_shutdown)
-            super().handle_exit(sig, frame)
-
-    server = Server(config)
-    logger.info("router serving on http://%s:%d", args.host, args.port)
-    server.run()
-    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:

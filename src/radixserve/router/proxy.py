@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import httpx
@@ -29,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 from radixserve.contracts import constants
 from radixserve.contracts.edge import BODY_SCOPE_KEY, REQUEST_ID_SCOPE_KEY
 from radixserve.contracts.protocol import error_body, random_id
+from radixserve.contracts.sse import SSE_DONE, sse_error
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.types import PrefixKey, RouteDecision, RoutingPolicy
@@ -65,16 +67,10 @@ def _truthy(value: Any) -> bool:
     return value not in _FALSY
 
 
-def _sse_error(message: str, status: int) -> bytes:
-    """An SSE error event (the OpenAI error body under ``error``) then ``[DONE]``, as the engine ends a stream that
-    fails after it started."""
-    return b"data: " + json.dumps({"error": error_body(message, status)}).encode() + b"\n\ndata: [DONE]\n\n"
-
-
 class Proxy:
     """Routes and relays the generation requests. One per app; holds no per-request state.
 
-    ``transport`` is the one pooled ``httpx.AsyncHTTPTransport`` for all upstream requests (the app's shared
+    ``transport`` is the one pooled transport (httpx's or httpx-aiohttp's) for all upstream requests (the app's shared
     ``httpx.AsyncClient`` wraps the same transport); requests go to it directly, with ``timeout`` applied per request.
     """
 
@@ -85,7 +81,7 @@ class Proxy:
         policy: RoutingPolicy,
         extractor: Any,
         metrics: RouterMetrics,
-        transport: httpx.AsyncHTTPTransport,
+        transport: httpx.AsyncBaseTransport,
         timeout: httpx.Timeout,
     ) -> None:
         self.args = args
@@ -101,6 +97,8 @@ class Proxy:
         self._decision_children = {r: metrics.decisions.labels(r) for r in constants.ROUTE_REASONS}
         self._active: set[asyncio.Task[Any]] = set()  # tasks relaying a request (ended early on shutdown)
         self.shutting_down = False
+        # The 503 message while no engine serves any model yet; the app sets the readiness one ("0 of 2 routable").
+        self.unavailable_message: Callable[[], str] = lambda: "no engine is available"
 
     def begin_shutdown(self) -> None:
         """End every request in flight now (call on the event loop): a client gets a 503, or for a stream already
@@ -110,7 +108,7 @@ class Proxy:
         for task in list(self._active):
             task.cancel()
 
-    def endpoint(self, kind: Kind, path: str) -> "_Endpoint":
+    def endpoint(self, kind: Kind, path: str) -> _Endpoint:
         """The ASGI app serving ``POST path`` as ``kind``."""
         return _Endpoint(self, kind, path)
 
@@ -164,17 +162,18 @@ class Proxy:
             if len(served) == 1:
                 return 0, next(iter(served))
             if not served:
-                return 503, "no engine is available"
+                return 503, self.unavailable_message()
             return 400, f"model is required: this router serves {', '.join(sorted(served))}"
         if model not in served:
             if not served:
-                return 503, "no engine is available"
+                return 503, self.unavailable_message()
             return 404, f"The model `{model}` does not exist."
         return 0, model
 
     def _cost(self, kind: Kind, body: dict[str, Any]) -> int:
         """Tokens this request may generate: max tokens (or ``default_max_tokens``) x samples x prompts."""
-        n: Any = 1
+        n: object = 1  # client JSON: validated below
+        mt: object
         prompts = 1
         if kind == "generate":
             sp = body.get("sampling_params")
@@ -337,7 +336,7 @@ class _Relay:
                     {
                         "type": "http.response.body",
                         "more_body": True,
-                        "body": _sse_error("the router is shutting down", 503),
+                        "body": sse_error("the router is shutting down", 503) + SSE_DONE,
                     }
                 )
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -467,7 +466,7 @@ class _Relay:
                     {
                         "type": "http.response.body",
                         "more_body": True,
-                        "body": _sse_error(f"the engine {worker} failed mid-response", 502),
+                        "body": sse_error(f"the engine {worker} failed mid-response", 502) + SSE_DONE,
                     }
                 )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
