@@ -1,4 +1,24 @@
-"""Black-box cases from real users' reports (shared/cases/README.md), against the whole server and the real model.
+"""Black-box cases from real users' reports, against the whole server and the real model.
+
+Each case is a failure that public LLM servers (SGLang, vLLM, llama.cpp, TGI) shipped and users reported; the expected
+behaviour is what a careful user of the OpenAI API would expect, and a plain request must still be served after each:
+
+1. Streaming never splits a multi-byte character: every SSE line is valid JSON, no delta holds U+FFFD the
+   non-streamed text lacks there, and the deltas concatenate to the non-streamed text.
+2. Stop strings never leak, even split across tokens: no chunk holds the stop string or a prefix of it that later
+   completes; streamed == non-streamed == text before the stop; held-back text is flushed on another finish.
+3. logprobs in the OpenAI shapes: chat ``logprobs.content`` (with sorted ``top_logprobs``), legacy completions
+   (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``); ``top_logprobs`` without ``logprobs`` or
+   over 20 is a 400.
+4. ``max_tokens`` 0 (with ``echo``, and native ``max_new_tokens`` 0): never a 5xx or a dead engine.
+5. ``max_tokens`` null or missing: 200 with the documented default, never past the context length.
+6. Prompts at or over the context length: 400 naming both numbers; other requests unaffected.
+7. Invalid JSON schemas (sent twice, the second hitting the grammar cache): 400 both times, never unconstrained.
+8. Constrained JSON terminates: 20 varied greedy prompts all parse and validate, finish_reason "stop".
+9. Regex edge cases answer in bounded time: empty -> 400 or an empty completion; IPv4 -> a full match; a
+   backreference the grammar engine cannot express -> 400.
+10. Disconnects free everything: after streams and requests closed early and aborts, running and queued counts and
+    used KV tokens return to idle, the abort counter rises, nothing grows across cycles, health stays 200.
 
 One real ``Engine`` (fp32, so greedy decoding is deterministic across batch shapes) behind uvicorn on a free port for
 the module; every test talks HTTP only (httpx for raw SSE lines, the official ``openai`` client elsewhere). After
@@ -21,8 +41,9 @@ import httpx
 import openai
 import pytest
 
-from fake_engine import MODEL_DIR, ServerThread, wait_until
 from radixserve.engine.config import EngineArgs
+
+from fake_engine import MODEL_DIR, ServerThread, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "smollm2-135m-instruct"
@@ -742,7 +763,8 @@ def test_case10_disconnects_free_everything(url):
         aborted_before = metric(url, "num_aborted_requests_total")
         aborted = asyncio.run(_disconnect_cycle(url, cycle))
         assert wait_until(lambda: metric(url, "num_running_reqs") == 0 and metric(url, "num_queue_reqs") == 0, 120)
-        assert wait_until(lambda: metric(url, "num_aborted_requests_total") == aborted_before + aborted, 60), (
+        want = aborted_before + aborted
+        assert wait_until(lambda want=want: metric(url, "num_aborted_requests_total") == want, 60), (
             metric(url, "num_aborted_requests_total") - aborted_before,
             aborted,
         )
@@ -763,8 +785,9 @@ def test_case10_disconnect_before_the_stream_body_starts_aborts(tok):
     output): the generation must still be aborted and its request id released, even though the stream body may be
     cancelled before its first iteration (an async generator closed before it starts never runs its ``finally``).
     Driven through raw ASGI with the scripted fake engine so the timing is exact."""
-    from fake_engine import FakeEngine
     from radixserve.engine.server.http import create_app
+
+    from fake_engine import FakeEngine
 
     engine = FakeEngine(tok, delay_s=0.02)
     app = create_app(engine, manage_engine=False)

@@ -49,7 +49,8 @@ def _greedy(runner: ModelRunner, prompt: list[int], n_new: int, slots: list[int]
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    """One intra-op thread: on the shared 2-core machine two threads collapse under others' load (ENGINE_FACTS)."""
+    """One intra-op thread: on the shared 2-core machine two threads collapse under others' load (one decode step
+    went from 95 ms to 3.7 s)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

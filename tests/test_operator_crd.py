@@ -1,6 +1,6 @@
 """The InferenceService CRD: generated from operator/spec.py, structural, valid for real Kubernetes, and agreeing with
 the pydantic models on every sample and on every invalid object (checked with tests/crd_validation.py: jsonschema +
-cel-python, since there is no API server here; see shared/K8S_TESTING.md)."""
+cel-python, since there is no API server here and kmock stores CRDs without validating, defaulting or pruning)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import kubernetes_validate
 import pydantic
 import pytest
 import yaml
-from crd_validation import apply_defaults, to_jsonschema, validate_custom_object
 
 from radixserve.contracts import constants
 from radixserve.operator import crd as crd_mod
 from radixserve.operator import spec
+
+from crd_validation import apply_defaults, to_jsonschema, validate_custom_object
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("inferenceservice-*.yaml"))

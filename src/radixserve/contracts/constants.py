@@ -1,7 +1,7 @@
-"""The contracts between engine, router and operator (see shared/CONTRACTS.md), in one place.
+"""The contracts between engine, router and operator (documented in docs/contracts.md), in one place.
 
 Engine, router and operator import these values; tests check rendered objects against them. Change a contract only
-deliberately, here and in CONTRACTS.md together.
+deliberately, here and in docs/contracts.md together (tests/test_docs_contracts.py checks that they agree).
 """
 
 # Ports and addresses

@@ -1,7 +1,7 @@
 """OpenAI-compatible and native request/response types, shared by the engine's HTTP server and the router.
 
 Shapes follow the official OpenAI API (chat completions, legacy completions, models, error body) and SGLang's native
-``/generate`` (see shared/CONTRACTS.md "Native request"); the models mirror SGLang's
+``/generate`` (docs/contracts.md, "Native POST /generate"); the models mirror SGLang's
 ``srt/entrypoints/openai/protocol.py``. Requests accept unknown keys (clients send ``user``, ``metadata`` ...) and
 ignore them; every key that would change the output and that we cannot honour is declared here so the server can
 refuse it with a 400 instead of silently ignoring it.
@@ -27,8 +27,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """The OpenAI-style error body: ``{"object": "error", "message", "type", "param", "code"}``.
 
-    ``type`` comes from ``radixserve.contracts.constants.ERROR_TYPES`` by HTTP ``status`` (``"error"`` for an unlisted status);
-    ``code`` is the HTTP status.
+    ``type`` comes from ``radixserve.contracts.constants.ERROR_TYPES`` by HTTP ``status`` (``"error"`` for an
+    unlisted status); ``code`` is the HTTP status.
     """
     return {
         "object": "error",
@@ -227,7 +227,7 @@ class Usage(BaseModel):
     @classmethod
     def of(
         cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None
-    ) -> "Usage":
+    ) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -380,7 +380,7 @@ class ModelList(BaseModel):
 
 
 class GenerateReqInput(_Request):
-    """Native ``POST /generate`` body (SGLang's ``GenerateReqInput``, see shared/CONTRACTS.md).
+    """Native ``POST /generate`` body (SGLang's ``GenerateReqInput``, see docs/contracts.md).
 
     Exactly one of ``text`` and ``input_ids``; a list of prompts (``[str]`` or ``[[int]]``) makes a batch and the
     response is a list. ``sampling_params`` is one dict for all prompts or a list with one per prompt.

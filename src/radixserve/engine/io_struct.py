@@ -29,7 +29,7 @@ class InvalidRequestError(ValueError):
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling parameters (SGLang's names; see shared/CONTRACTS.md "Native request").
+    """Per-request sampling parameters (SGLang's names; docs/contracts.md, "Native POST /generate").
 
     Units: ``max_new_tokens`` in tokens; probabilities in [0, 1]. ``top_k`` -1 (or 0) means disabled.
     """
@@ -54,7 +54,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
         """Build from a JSON dict; unknown keys raise ``InvalidRequestError``."""
         d = dict(d or {})
         names = {f.name for f in dataclasses.fields(cls)}

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one engine, named as in shared/CONTRACTS.md (prefix ``radixserve_engine_``).
+"""Prometheus metrics of one engine, named as in docs/contracts.md (prefix ``radixserve_engine_``).
 
 Each engine owns its own ``CollectorRegistry`` so several engines can live in one process (tests) without clashes.
 The scheduler thread updates them; ``GET /metrics`` renders them.
@@ -42,10 +42,33 @@ _DOCS = {
 
 
 class EngineMetrics:
-    """All engine metrics, each already bound to ``model_name``; attributes carry the CONTRACTS.md names.
+    """All engine metrics, each already bound to ``model_name``; attributes carry the contract names.
 
     Gauges: ``.set(x)``; counters: ``.inc(n)``; histograms: ``.observe(seconds)``.
     """
+
+    # Set by __init__ from the constants.ENGINE_* name lists; declared here for the type checker.
+    num_running_reqs: Gauge
+    num_queue_reqs: Gauge
+    num_used_tokens: Gauge
+    num_evictable_tokens: Gauge
+    max_total_num_tokens: Gauge
+    token_usage: Gauge
+    num_grammar_queue_reqs: Gauge
+    prompt_tokens_total: Counter
+    cached_tokens_total: Counter
+    generation_tokens_total: Counter
+    num_requests_total: Counter
+    num_aborted_requests_total: Counter
+    num_retracted_reqs_total: Counter
+    grammar_cache_hits_total: Counter
+    grammar_aborts_total: Counter
+    num_constrained_requests_total: Counter
+    time_to_first_token_seconds: Histogram
+    inter_token_latency_seconds: Histogram
+    e2e_request_latency_seconds: Histogram
+    queue_time_seconds: Histogram
+    grammar_compile_seconds: Histogram
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()

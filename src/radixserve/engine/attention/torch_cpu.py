@@ -16,8 +16,9 @@ sees the whole shared part. Partials come from the CPU flash-attention kernel, w
 (a float32 matmul fallback elsewhere). For 16 sequences x 25 new tokens over 1500 shared slots (bf16, 2 threads,
 SmolLM2 heads) attention took ~200-230 ms per 30 layers vs ~380 ms for per-sequence SDPA.
 
-DECODE: hand-written grouped-query attention, matmuls in the model dtype, softmax in float32 (on these AVX-512 CPUs
-~2x faster than bf16 SDPA, see shared/ENGINE_FACTS.md), with two refinements:
+DECODE: hand-written grouped-query attention, matmuls in the model dtype, softmax in float32 (batch-8 decode at
+context 1024 over 30 layers: 8.5-11 ms against 126-171 ms for bf16 SDPA, measured on a 2-core AVX-512 CPU), with two
+refinements:
 
 * Head-major gather. The pool stays ``[num_slots, Hkv, D]`` (flashinfer's NHD layout), but it is read as
   ``[num_slots * Hkv, D]`` rows with the precomputed row index ``slot * Hkv + h`` ordered head-major, so the gathered
