@@ -13,7 +13,8 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import Any
 
 from radixserve.engine.config import EngineArgs
 from radixserve.engine.grammar.xgrammar_backend import GrammarBackend
@@ -73,7 +74,7 @@ def default_served_model_name(model_path: str) -> str:
     return base.removesuffix(".gguf").lower()
 
 
-def _put_all(items: list[tuple[asyncio.Queue, ReqOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue[ReqOutput], ReqOutput]]) -> None:
     for q, out in items:
         q.put_nowait(out)
 
@@ -134,7 +135,7 @@ class Engine:
             self.metrics,
         ).result()
         # rid -> (the caller's event loop, its queue of ReqOutput); callers may live on different loops (tests).
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[ReqOutput]]] = {}
         self._started = False
         self._shutting_down = False
         logger.info(
@@ -171,7 +172,7 @@ class Engine:
     # ----------------------------------------------------------------------------------------------------------
     def _emit(self, outputs: list[ReqOutput]) -> None:
         """Scheduler thread -> the event loop of each output's caller, once per step."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, ReqOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[ReqOutput], ReqOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.rid)
             if stream is not None:
@@ -182,7 +183,7 @@ class Engine:
             except RuntimeError:  # that caller's loop has closed; nobody is listening
                 pass
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[ReqOutput]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[ReqOutput, None]:
         """Run ``req``; yield ``ReqOutput`` deltas of all ``n`` samples until each has finished.
 
         Raises InvalidRequestError: 503 when not serving, 429 when the queue is full, 400 for a duplicate rid, 400
@@ -205,7 +206,7 @@ class Engine:
             raise InvalidRequestError(f"request id {req.rid!r} is already in flight", "rid")
         if not req.arrival_time:
             req.arrival_time = time.monotonic()
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue[ReqOutput] = asyncio.Queue()
         self._streams[req.rid] = (asyncio.get_running_loop(), q)
         key = req.sampling_params.grammar_key()
         if key is not None and req.grammar is None:
@@ -261,13 +262,14 @@ class Engine:
 
         async def run() -> bool:
             async for out in self.generate(req):
-                if out.finished:
-                    return out.finish_reason["type"] != "abort"
+                if out.finish_reason is not None:  # out.finished
+                    kind: str = out.finish_reason["type"]
+                    return kind != "abort"
             return False
 
         try:
             return await asyncio.wait_for(run(), timeout_s)
-        except (asyncio.TimeoutError, InvalidRequestError):
+        except (TimeoutError, InvalidRequestError):
             return False
 
     def model_info(self) -> dict[str, Any]:

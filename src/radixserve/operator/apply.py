@@ -1,6 +1,7 @@
 """Level-based, idempotent apply of desired children with the official ``kubernetes`` client (REST over its ApiClient).
 
-No PUT and no server-side apply (neither works everywhere the operator is tested; see ../shared/K8S_TESTING.md):
+No PUT and no server-side apply (kmock 0.8, the API server emulator the tests run on, has neither: it serves create,
+get, list, merge patch, JSON patch and delete):
 
 - ``apply(api, desired, live)``: no live object -> create (POST); otherwise a three-way JSON merge patch (RFC 7386,
   what ``kubectl apply`` does for custom resources) computed by ``merge_patch_for``: fields of ``desired`` that differ
@@ -41,8 +42,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from types import EllipsisType
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import kopf
 from kubernetes.client import ApiClient
@@ -75,14 +78,24 @@ MERGE_PATCH = "application/merge-patch+json"
 DRY_RUN = [("dryRun", "All")]
 log = logging.getLogger("radixserve.operator.apply")
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
 
 class ResourceType(Protocol):
-    """What a call needs to know about a kind (``render.ChildType`` is one)."""
+    """What a call needs to know about a kind (``render.ChildType``, a frozen dataclass, is one): read-only."""
 
-    api_version: str
-    kind: str
-    plural: str
-    namespaced: bool
+    @property
+    def api_version(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def plural(self) -> str: ...
+
+    @property
+    def namespaced(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -159,12 +172,12 @@ class KubeApi:
             auth_settings=["BearerToken"],
         )
         resp = self.client.call_api(*req, _request_timeout=30)
-        resp.read()
+        data: bytes = resp.read()  # what it also stores as resp.data (unannotated there: inferred None)
         if not 200 <= resp.status <= 299:
-            raise ApiException.from_response(http_resp=resp, body=resp.data.decode("utf-8", "replace"), data=None)
-        return json.loads(resp.data) if resp.data else None
+            raise ApiException.from_response(http_resp=resp, body=data.decode("utf-8", "replace"), data=None)
+        return json.loads(data) if data else None
 
-    def call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def call(self, what: str, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         """``fn(*args, **kwargs)`` with retries on 409/429/5xx/connection errors; raises kopf.TemporaryError when
         the tries are spent or the error is not retryable (the message names ``what``)."""
         for attempt in range(self.retry.attempts):
@@ -181,7 +194,8 @@ class KubeApi:
     def get(self, rtype: ResourceType, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:
-            return self.request("GET", self.path(rtype, namespace, name))
+            obj: dict[str, Any] | None = self.request("GET", self.path(rtype, namespace, name))
+            return obj
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -203,7 +217,10 @@ class KubeApi:
         self, rtype: ResourceType, namespace: str | None, body: dict[str, Any], *, dry_run: bool = False
     ) -> dict[str, Any]:
         """POST; ``dry_run``: ``?dryRun=All`` (validated, admitted and authorised, not persisted)."""
-        return self.request("POST", self.path(rtype, namespace), body=body, query=DRY_RUN if dry_run else None)
+        obj: dict[str, Any] = self.request(
+            "POST", self.path(rtype, namespace), body=body, query=DRY_RUN if dry_run else None
+        )
+        return obj
 
     def merge_patch(
         self,
@@ -216,13 +233,14 @@ class KubeApi:
         dry_run: bool = False,
     ) -> dict[str, Any]:
         """PATCH (JSON merge patch); ``dry_run`` as for ``create``."""
-        return self.request(
+        obj: dict[str, Any] = self.request(
             "PATCH",
             self.path(rtype, namespace, name, subresource),
             body=patch,
             content_type=MERGE_PATCH,
             query=DRY_RUN if dry_run else None,
         )
+        return obj
 
     def delete(self, rtype: ResourceType, namespace: str | None, name: str, *, dry_run: bool = False) -> None:
         """Delete with background propagation (the garbage collector removes what the object owns); a 404 is
@@ -293,7 +311,9 @@ def subset_equal(desired: Any, live: Any, path: tuple[str, ...] = ()) -> bool:
     return desired == live and not isinstance(desired, bool) and not isinstance(live, bool)
 
 
-def _patch_dict(desired: dict, live: dict, last: dict | None, path: tuple[str, ...]) -> dict:
+def _patch_dict(
+    desired: dict[str, Any], live: dict[str, Any], last: dict[str, Any] | None, path: tuple[str, ...]
+) -> dict[str, Any]:
     patch: dict[str, Any] = {}
     for key, value in desired.items():
         if value is None:
@@ -366,7 +386,8 @@ def is_owned_by(obj: dict[str, Any], owner_uid: str | None) -> bool:
 def _controller_uid(obj: dict[str, Any]) -> str | None:
     for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
         if ref.get("controller"):
-            return ref.get("uid")
+            uid: str | None = ref.get("uid")
+            return uid
     return None
 
 
@@ -388,9 +409,11 @@ class ApplyRejected(Exception):
         self.name = name
 
 
-def _rejected(exc: ApiException, verb: str, rtype: ResourceType, name: str) -> ApplyRejected:
-    reason = "Forbidden" if exc.status == 403 else "ApplyRejected"
-    return ApplyRejected(reason, exc.status or 400, rtype.kind, name, f"{verb} {rtype.kind}/{name}: {_describe(exc)}")
+def _rejected(exc: Exception, verb: str, rtype: ResourceType, name: str) -> ApplyRejected:
+    """``exc``: an ApiException, or another error that carries an HTTP ``status``."""
+    status: int | None = getattr(exc, "status", None)
+    reason = "Forbidden" if status == 403 else "ApplyRejected"
+    return ApplyRejected(reason, status or 400, rtype.kind, name, f"{verb} {rtype.kind}/{name}: {_describe(exc)}")
 
 
 def _final_4xx(exc: Exception) -> bool:
@@ -438,7 +461,7 @@ def apply(
     api: KubeApi,
     rtype: ResourceType,
     desired: dict[str, Any],
-    live: dict[str, Any] | None | type[Ellipsis] = ...,
+    live: dict[str, Any] | None | EllipsisType = ...,
     *,
     dry_run: bool = False,
 ) -> ApplyResult:
@@ -449,7 +472,7 @@ def apply(
     meta = desired["metadata"]
     namespace, name = meta.get("namespace"), meta["name"]
     what = f"{rtype.kind}/{name}"  # the status and Event messages name children so
-    if live is ...:
+    if isinstance(live, EllipsisType):  # omitted
         live = api.call(f"get {what}", api.get, rtype, namespace, name)
     for attempt in range(api.retry.attempts):
         verb = "create" if live is None else "patch"

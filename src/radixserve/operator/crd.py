@@ -78,8 +78,8 @@ ROOT_CEL_RULES: list[dict[str, str]] = [
     {
         "rule": f"!self.metadata.name.endsWith('{spec.RESERVED_NAME_SUFFIX}')",
         "message": (
-            f"metadata.name must not end in '{spec.RESERVED_NAME_SUFFIX}': the router Service of X{spec.RESERVED_NAME_SUFFIX} "
-            f"would take the name of X's engine Service"
+            f"metadata.name must not end in '{spec.RESERVED_NAME_SUFFIX}': "
+            f"the router Service of X{spec.RESERVED_NAME_SUFFIX} would take the name of X's engine Service"
         ),
         "reason": "FieldValueInvalid",
     },
@@ -145,7 +145,9 @@ def _def_name(ref: str) -> str:
     return ref[len(prefix) :]
 
 
-def _convert(node: dict[str, Any], defs: dict[str, Any], rules: dict[str, list[dict[str, str]]], where: str) -> dict:
+def _convert(
+    node: dict[str, Any], defs: dict[str, Any], rules: dict[str, list[dict[str, str]]], where: str
+) -> dict[str, Any]:
     """Convert one pydantic JSON-schema node (and its children) into a structural-schema node."""
     node = dict(node)
     if "$ref" in node:
@@ -174,7 +176,7 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], rules: dict[str, list[d
     if node.get("default", 0) is None:
         del node["default"]
 
-    out: dict[str, Any] = {}
+    out = {}
     for key, value in node.items():
         if key in _DROPPED_KEYWORDS:
             continue
@@ -302,7 +304,7 @@ def build_crd() -> dict[str, Any]:
 
 def render_yaml(crd: dict[str, Any] | None = None) -> str:
     """The CRD file's text: the do-not-edit header, then the YAML of ``crd`` (default ``build_crd()``)."""
-    body = yaml.safe_dump(crd if crd is not None else build_crd(), sort_keys=False, width=120)
+    body: str = yaml.safe_dump(crd if crd is not None else build_crd(), sort_keys=False, width=120)
     return HEADER + body
 
 

@@ -37,8 +37,9 @@ NOT raised (kopf would retry it hot): the resync timer tries again. 429/5xx/conn
 trouble, an admission webhook that is down) are retried with backoff; what still fails first sets Degraded (reason
 ``ApplyFailed``, or ``APIUnavailable`` when even listing the children failed; the message names Kind/name, the
 server's answer and whether the spec is partly applied) and Ready False, then is raised as ``kopf.TemporaryError``
-(kopf retries; if the status write fails too, the apply's error is still the one raised). Events: each child created or deleted as it happens, Ready gained
-or lost, Degraded raised or its message changed (so one Warning per distinct problem, not one per resync).
+(kopf retries; if the status write fails too, the apply's error is still the one raised). Events: each child created or
+deleted as it happens, Ready gained or lost, Degraded raised or its message changed (so one Warning per distinct
+problem, not one per resync).
 
 Deletion: children carry ``ownerReferences`` (controller) to the InferenceService, so the garbage collector deletes
 them with it; the operator registers no on.delete handler. kopf itself puts ONE finalizer
@@ -54,9 +55,10 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, TypedDict, cast
 
 import kopf
 import pydantic
@@ -102,7 +104,7 @@ def format_validation_error(exc: pydantic.ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _condition(conditions: list[dict] | None, type_: str) -> dict[str, Any]:
+def _condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any]:
     return next((c for c in conditions or [] if c.get("type") == type_), {})
 
 
@@ -116,7 +118,14 @@ def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
             return [conv(x) for x in v]
         return v
 
-    return conv(body)
+    plain: dict[str, Any] = conv(body)
+    return plain
+
+
+def _event_target(obj: dict[str, Any]) -> kopf.Body:
+    """``obj`` for kopf.info / kopf.warn: annotated for kopf's Body view, they read any mapping (apiVersion, kind,
+    metadata; kopf's ``build_object_reference``)."""
+    return cast(kopf.Body, obj)
 
 
 def _fingerprint(obj: Mapping[str, Any]) -> str:
@@ -162,7 +171,7 @@ class Reconciler:
         api: KubeApi,
         options: RenderOptions,
         metrics: OperatorMetrics,
-        clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.api = api
         self.options = options
@@ -192,7 +201,7 @@ class Reconciler:
         with self._guard:
             return set(self._owners)
 
-    def _remember(self, state: _OwnerState, rtype: ChildType, obj: dict[str, Any] | None) -> None:
+    def _remember(self, state: _OwnerState, rtype: applier.ResourceType, obj: dict[str, Any] | None) -> None:
         meta = (obj or {}).get("metadata") or {}
         key = (rtype.plural, meta.get("namespace", ""), meta.get("name", ""))
         with self._guard:
@@ -202,7 +211,7 @@ class Reconciler:
                 state.fingerprints[key] = _fingerprint(obj)
 
     def _warn_once(
-        self, state: _OwnerState, logger: logging.Logger | logging.LoggerAdapter, message: str, *args: Any
+        self, state: _OwnerState, logger: logging.Logger | logging.LoggerAdapter[Any], message: str, *args: Any
     ) -> None:
         """Log at WARNING when ``message % args`` differs from the last one warned for this owner, else at DEBUG."""
         text = message % args
@@ -212,7 +221,9 @@ class Reconciler:
 
     # --- triggers ---------------------------------------------------------------------------------------------------
 
-    def reconcile(self, body: Mapping[str, Any], kind: str, logger: logging.Logger | logging.LoggerAdapter) -> None:
+    def reconcile(
+        self, body: Mapping[str, Any], kind: str, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> None:
         """Reconcile one InferenceService ``body`` (trigger ``kind``: create, update, resume, timer, child). Raises
         kopf.TemporaryError when the API server keeps failing (kopf retries change handlers)."""
         meta = body.get("metadata") or {}
@@ -224,7 +235,7 @@ class Reconciler:
             self._reconcile_locked(state, _plain(body), kind, logger)
 
     def child_changed(
-        self, event_type: str | None, child: Mapping[str, Any], logger: logging.Logger | logging.LoggerAdapter
+        self, event_type: str | None, child: Mapping[str, Any], logger: logging.Logger | logging.LoggerAdapter[Any]
     ) -> None:
         """A labelled child was added, modified or deleted: reconcile its owner when the event can matter (module
         doc: not the operator's own writes, not status-only writes of kinds other than Deployment). Events arriving
@@ -306,13 +317,14 @@ class Reconciler:
     # --- the reconcile ----------------------------------------------------------------------------------------------
 
     def _reconcile_locked(
-        self, state: _OwnerState, body: dict[str, Any], kind: str, logger: logging.Logger | logging.LoggerAdapter
+        self, state: _OwnerState, body: dict[str, Any], kind: str, logger: logging.Logger | logging.LoggerAdapter[Any]
     ) -> None:
         start = time.perf_counter()
         try:
             result, error_reason = self._reconcile(state, body, kind, logger)
         except Exception as exc:
-            reason = f"http_{exc.__cause__.status}" if getattr(exc.__cause__, "status", None) else type(exc).__name__
+            status = getattr(exc.__cause__, "status", None)
+            reason = f"http_{status}" if status else type(exc).__name__
             self.metrics.reconcile_errors.labels(kind=kind, reason=reason).inc()
             self.metrics.reconciles.labels(kind=kind, result="error").inc()
             raise
@@ -323,7 +335,7 @@ class Reconciler:
         self.metrics.reconciles.labels(kind=kind, result=result).inc()
 
     def _reconcile(
-        self, state: _OwnerState, body: dict[str, Any], kind: str, logger: logging.Logger | logging.LoggerAdapter
+        self, state: _OwnerState, body: dict[str, Any], kind: str, logger: logging.Logger | logging.LoggerAdapter[Any]
     ) -> tuple[str, str | None]:
         """One reconcile; returns (result for reconciles_total, reason for reconcile_errors_total or None)."""
         meta = body["metadata"]
@@ -365,12 +377,13 @@ class Reconciler:
             if result.action == "deleted":
                 with self._guard:
                     state.deleted.add((change.rtype.plural, namespace, change.name))
-                kopf.info(body, reason="Deleted", message=f"deleted {what} (no longer desired)")
+                kopf.info(_event_target(body), reason="Deleted", message=f"deleted {what} (no longer desired)")
                 return
             self._remember(state, change.rtype, result.obj)
             current[(change.rtype.kind, change.name)] = result.obj
             if result.action == "created":
-                kopf.info(body, reason="Created", message=f"created {what}")  # at once: a later failure keeps it
+                # at once: a later failure keeps it
+                kopf.info(_event_target(body), reason="Created", message=f"created {what}")
             elif result.action == "patched":
                 logger.info(
                     "patched %s: %s", what, sorted(k for k in result.patch or {} if k != "metadata") or ["metadata"]
@@ -423,8 +436,8 @@ class Reconciler:
         isvc: InferenceService,
         body: dict[str, Any],
         current: dict[tuple[str, str], dict[str, Any]],
-        previous: list[dict] | None,
-        logger: logging.Logger | logging.LoggerAdapter,
+        previous: list[dict[str, Any]] | None,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
         refused: ApplyError | None,
     ) -> None:
         """Read the engine Service's EndpointSlices, compute the status from them and ``current`` (Deployments by
@@ -453,8 +466,8 @@ class Reconciler:
         state: _OwnerState,
         body: dict[str, Any],
         message: str,
-        previous: list[dict] | None,
-        logger: logging.Logger | logging.LoggerAdapter,
+        previous: list[dict[str, Any]] | None,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
     ) -> str:
         meta = body["metadata"]
         self._warn_once(state, logger, "invalid spec, nothing applied: %s", message)
@@ -474,7 +487,7 @@ class Reconciler:
         state: _OwnerState,
         body: dict[str, Any],
         status: dict[str, Any],
-        logger: logging.Logger | logging.LoggerAdapter,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
     ) -> None:
         """Patch ``status`` (whole: fields no longer reported are removed) through the status subresource when it
         differs from the status this process last wrote OR from the live one in ``body`` (someone wiped or edited
@@ -502,15 +515,19 @@ class Reconciler:
         was_ready = _condition(before, "Ready").get("status") == "True"
         ready = _condition(after, "Ready")
         if ready.get("status") == "True" and not was_ready:
-            kopf.info(body, reason="Ready", message=ready.get("message", ""))
+            kopf.info(_event_target(body), reason="Ready", message=ready.get("message", ""))
         elif was_ready and ready.get("status") != "True":
-            kopf.warn(body, reason="NotReady", message=f"{ready.get('reason')}: {ready.get('message', '')}")
+            kopf.warn(
+                _event_target(body), reason="NotReady", message=f"{ready.get('reason')}: {ready.get('message', '')}"
+            )
         degraded, was = _condition(after, "Degraded"), _condition(before, "Degraded")
         if degraded.get("status") == "True" and (
             was.get("status") != "True"
             or (was.get("reason"), was.get("message")) != (degraded.get("reason"), degraded.get("message"))
         ):
-            kopf.warn(body, reason=degraded.get("reason", "Degraded"), message=degraded.get("message", ""))
+            kopf.warn(
+                _event_target(body), reason=degraded.get("reason", "Degraded"), message=degraded.get("message", "")
+            )
         logger.debug("status: %s", {c["type"]: c["status"] for c in after or []})
 
 
@@ -557,13 +574,21 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.posting.level = logging.INFO
 
 
+class _ResourceSelector(TypedDict):
+    """The keyword arguments naming a resource to kopf's handler decorators."""
+
+    group: str
+    version: str
+    plural: str
+
+
 def build_registry(
     reconciler: Reconciler, resync_seconds: float, child_types: tuple[ChildType, ...] = CHILD_TYPES
 ) -> kopf.OperatorRegistry:
     """A kopf registry with this operator's handlers (module doc), bound to ``reconciler``; no global registry.
     ``resync_seconds``: the timer's interval (also its initial delay: a new object was just reconciled)."""
     registry = kopf.OperatorRegistry()
-    isvc = dict(group=constants.API_GROUP, version=constants.API_VERSION, plural=constants.CRD_PLURAL)
+    isvc = _ResourceSelector(group=constants.API_GROUP, version=constants.API_VERSION, plural=constants.CRD_PLURAL)
 
     kopf.on.login(registry=registry)(kopf.login_via_client)
 
@@ -578,9 +603,9 @@ def build_registry(
 
     kopf.timer(**isvc, id="resync", interval=resync_seconds, initial_delay=resync_seconds, registry=registry)(resync)
 
-    def on_isvc_event(event: Mapping[str, Any], name: str, namespace: str, **_: Any) -> None:
+    def on_isvc_event(event: Mapping[str, Any], name: str, namespace: str | None, **_: Any) -> None:
         if event.get("type") == "DELETED":
-            reconciler.forget(namespace, name)
+            reconciler.forget(namespace or "", name)  # namespaced: never None (state is keyed by "" if it were)
 
     kopf.on.event(**isvc, id="forget", registry=registry)(on_isvc_event)
 

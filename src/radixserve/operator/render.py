@@ -2,7 +2,7 @@
 
 No API calls, no clock, no randomness: the same InferenceService renders byte-identical JSON (``json.dumps(...,
 sort_keys=True)``), so the handlers can compare desired with live objects and repair drift without churn. The layout
-follows the operator design (notes: "Operator context"; kopf's examples render plain data and apply in one call):
+follows docs/architecture.md (and kopf's examples: render plain data, apply it in one call):
 
 - Deployment ``NAME-engine``: ``radixserve engine`` on port ``http`` (ENGINE_PORT), startup/readiness/liveness probes
   on ``/health`` (startup budget ``engine.startupTimeoutSeconds``), non-root (uid 1000), no privilege escalation, all
@@ -397,7 +397,7 @@ def _router_config(isvc: InferenceService, options: RenderOptions) -> dict[str, 
     }
 
 
-def _config_map(isvc: InferenceService, engine_cfg: dict, router_cfg: dict) -> dict[str, Any]:
+def _config_map(isvc: InferenceService, engine_cfg: dict[str, Any], router_cfg: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -409,7 +409,7 @@ def _config_map(isvc: InferenceService, engine_cfg: dict, router_cfg: dict) -> d
     }
 
 
-def _engine_deployment(isvc: InferenceService, options: RenderOptions, engine_cfg: dict) -> dict[str, Any]:
+def _engine_deployment(isvc: InferenceService, options: RenderOptions, engine_cfg: dict[str, Any]) -> dict[str, Any]:
     spec = isvc.spec
     name = isvc.metadata.name
     labels = child_labels(name, constants.COMPONENT_ENGINE)
@@ -531,7 +531,7 @@ def _router_rbac(isvc: InferenceService) -> list[dict[str, Any]]:
     ]
 
 
-def _router_deployment(isvc: InferenceService, options: RenderOptions, router_cfg: dict) -> dict[str, Any]:
+def _router_deployment(isvc: InferenceService, options: RenderOptions, router_cfg: dict[str, Any]) -> dict[str, Any]:
     router = isvc.spec.router
     name = isvc.metadata.name
     labels = child_labels(name, constants.COMPONENT_ROUTER)
@@ -639,7 +639,7 @@ def _hpa(isvc: InferenceService) -> dict[str, Any]:
     }
 
 
-def render_children(isvc: InferenceService, options: RenderOptions) -> list[dict]:
+def render_children(isvc: InferenceService, options: RenderOptions) -> list[dict[str, Any]]:
     """Every desired child of ``isvc`` as a JSON-ready dict, in a fixed order (config and RBAC first, then Services,
     Deployments, PDB, HPA). Each has apiVersion, kind, metadata (name, namespace, labels; ownerReferences to ``isvc``
     when its uid is known). Kinds are among ``CHILD_TYPES``; the PDB and HPA only when enabled.

@@ -225,7 +225,7 @@ class AutoscalingSpec(_Model):
     )
 
     @model_validator(mode="after")
-    def _min_le_max(self) -> "AutoscalingSpec":
+    def _min_le_max(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError(
                 f"autoscaling.minReplicas ({self.min_replicas}) must be <= maxReplicas ({self.max_replicas})"
@@ -255,7 +255,7 @@ class Toleration(_Model):
     toleration_seconds: int | None = None
 
     @model_validator(mode="after")
-    def _exists_takes_no_value(self) -> "Toleration":
+    def _exists_takes_no_value(self) -> Toleration:
         if self.operator == "Exists" and self.value:
             raise ValueError(f"toleration operator Exists takes no value (got value {self.value!r})")
         return self
@@ -281,7 +281,7 @@ def check_kubernetes_object(value: Any, type_name: str, path: str) -> None:
         for key, item in value.items():
             check_kubernetes_object(item, type_name[5:-1].split(", ", 1)[1], f"{path}.{key}")
         return
-    primitives = {"str": str, "int": int, "bool": bool, "float": (int, float)}
+    primitives: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "bool": bool, "float": (int, float)}
     if type_name in primitives:
         if not isinstance(value, primitives[type_name]) or (type_name == "int" and isinstance(value, bool)):
             raise ValueError(f"{path}: expected {type_name}, got {value!r}")

@@ -29,7 +29,7 @@ Conditions follow metav1.Condition (type, status, reason, message, lastTransitio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from radixserve.contracts import constants
@@ -63,9 +63,9 @@ class ObservedChildren:
     """What the handlers read back from the API server after applying the desired children (or, when
     ``apply_error`` is set, what was live when the apply was refused)."""
 
-    engine_deployment: dict | None = None
-    router_deployment: dict | None = None
-    endpoint_slices: list[dict] = field(default_factory=list)  # slices of the engine Service
+    engine_deployment: dict[str, Any] | None = None
+    router_deployment: dict[str, Any] | None = None
+    endpoint_slices: list[dict[str, Any]] = field(default_factory=list)  # slices of the engine Service
     missing: list[str] = field(default_factory=list)  # "Kind/name" of desired children not found
     apply_error: ApplyError | None = None
 
@@ -78,11 +78,11 @@ def service_url(name: str, namespace: str) -> str:
 def format_time(now: datetime) -> str:
     """RFC 3339 in UTC with second precision, as metav1.Time serialises (a naive datetime is taken as UTC)."""
     if now.tzinfo is None:
-        now = now.replace(tzinfo=timezone.utc)
-    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = now.replace(tzinfo=UTC)
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def ready_endpoint_count(slices: list[dict]) -> int:
+def ready_endpoint_count(slices: list[dict[str, Any]]) -> int:
     """Distinct addresses of ready, non-terminating endpoints in ``slices`` (discovery.k8s.io/v1 dicts). A nil
     ``conditions.ready`` counts as ready (the API says so): ``serving_address``, the rule the router applies too."""
     addresses = {serving_address(ep) for obj in slices for ep in obj.get("endpoints") or []}
@@ -97,7 +97,9 @@ def _condition(type_: str, status: bool | str, reason: str, message: str, genera
     return cond
 
 
-def _stamp(conditions: list[dict], previous: list[dict] | None, now: datetime) -> list[dict]:
+def _stamp(
+    conditions: list[dict[str, Any]], previous: list[dict[str, Any]] | None, now: datetime
+) -> list[dict[str, Any]]:
     """Set lastTransitionTime: the previous one when the condition's status did not change, else ``now``."""
     before = {c.get("type"): c for c in previous or [] if isinstance(c, dict)}
     stamp = format_time(now)
@@ -110,14 +112,15 @@ def _stamp(conditions: list[dict], previous: list[dict] | None, now: datetime) -
     return conditions
 
 
-def _int(obj: dict | None, *path: str) -> int:
+def _int(obj: dict[str, Any] | None, *path: str) -> int:
     cur: Any = obj
     for key in path:
         cur = (cur or {}).get(key) if isinstance(cur, dict) else None
     return int(cur) if isinstance(cur, (int, float)) else 0
 
 
-def _deployment_condition(dep: dict | None, type_: str) -> dict | None:
+def _deployment_condition(dep: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    cond: dict[str, Any]
     for cond in ((dep or {}).get("status") or {}).get("conditions") or []:
         if cond.get("type") == type_:
             return cond
@@ -132,7 +135,7 @@ class _Rollout:
     message: str
 
 
-def _rollout(dep: dict, what: str, desired: int | None) -> _Rollout:
+def _rollout(dep: dict[str, Any], what: str, desired: int | None) -> _Rollout:
     meta = dep.get("metadata") or {}
     name = meta.get("name", what)
     generation = meta.get("generation")
@@ -163,8 +166,8 @@ def compute_status(
     observed: ObservedChildren,
     *,
     now: datetime,
-    previous_conditions: list[dict] | None = None,
-) -> dict:
+    previous_conditions: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The wire status (camelCase) of ``isvc`` from its observed children: observedGeneration, replicas and
     readyReplicas (of the engine Deployment; the scale subresource reads them), selector, url, modelName and the
     Ready / Progressing / Degraded conditions (module docstring). ``now`` stamps conditions whose status flipped."""
@@ -238,6 +241,8 @@ def compute_status(
     if missing and refused is None:  # children a refused apply did not create are no separate problem
         problems.append(("ChildrenMissing", missing_msg))
     for dep in (engine, router):
+        if dep is None:  # absent: no conditions to read (reported as missing above)
+            continue
         progress = _deployment_condition(dep, "Progressing")
         if progress and progress.get("reason") == "ProgressDeadlineExceeded":
             problems.append(
@@ -302,8 +307,8 @@ def invalid_spec_status(
     message: str,
     *,
     now: datetime,
-    previous_conditions: list[dict] | None = None,
-) -> dict:
+    previous_conditions: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The status of an InferenceService whose spec cannot be parsed or rendered (nothing is applied): Ready False,
     Progressing False and Degraded True, all with reason ``InvalidSpec``; Degraded's message is ``message`` (what is
     wrong). Set besides: observedGeneration, and selector and url (they follow from name and namespace alone, so

@@ -1,14 +1,15 @@
-"""The router's Prometheus metrics, in a registry of its own (names from ``radixserve.contracts.constants``, see CONTRACTS.md).
+"""The router's Prometheus metrics, in a registry of its own (names from ``radixserve.contracts.constants``).
 
 Counters: ``requests_total{model,code}``, ``decisions_total{reason}``, ``retries_total``, ``ejections_total``,
 ``predicted_cached_tokens_total``, ``actual_cached_tokens_total``. Gauges: ``worker_inflight_requests{worker}``,
 ``worker_inflight_tokens{worker}``, ``discovery_age_seconds`` (read at scrape time). Histograms (seconds):
-``request_duration_seconds``, ``ttft_seconds``. All carry the ``radixserve_router_`` prefix.
+``request_duration_seconds``, ``ttft_seconds``. All carry the ``radixserve_router_`` prefix; docs/contracts.md lists
+them.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST

@@ -8,7 +8,7 @@ same tree, flattened. Eviction is LRU per worker, leaves first, like the engine'
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class PrefixIndex:

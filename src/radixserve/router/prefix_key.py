@@ -50,7 +50,7 @@ def _flatten_content(content: Any) -> str | None:
     return "\n".join(texts)
 
 
-def _chat_messages(body: dict) -> list[dict[str, Any]] | None:
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """``body["messages"]`` normalized as engine/server/chat.py ``render_prompt`` does: role "developer" -> "system",
     content flattened, ``name`` kept. None for anything the engine rejects."""
     raw = body.get("messages")
@@ -136,7 +136,7 @@ class PrefixKeyExtractor:
         """Whether ``model``'s requests are keyed on tokens (else on characters)."""
         return model in self._tokenizers
 
-    def extract(self, endpoint: str, body: dict, model: str) -> PrefixKey | None:
+    def extract(self, endpoint: str, body: dict[str, Any], model: str) -> PrefixKey | None:
         """The prefix key of a request to ``endpoint`` ("chat" = /v1/chat/completions, "completions" =
         /v1/completions, "generate" = native /generate) for ``model``.
 
@@ -146,7 +146,7 @@ class PrefixKeyExtractor:
         (it answers 400 itself) or an unknown endpoint.
         """
         if not isinstance(body, dict) or not isinstance(model, str):
-            return None
+            return None  # type: ignore[unreachable]  # defensive: untyped callers get None, never an exception
         salt = body.get("cache_salt")
         tokenizer = self._tokenizers.get(model)
         if endpoint == "chat":

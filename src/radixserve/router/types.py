@@ -5,8 +5,9 @@ Import direction inside router/: types <- prefix_key, policy, discovery <- worke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence
+from typing import Literal, Protocol
 
 RouteReason = Literal["prefix-hit", "load-spill", "fallback", "retry"]
 

@@ -41,12 +41,12 @@ class AttentionBackend(abc.ABC):
         self.scale = head_dim**-0.5 if scale is None else scale
 
     @abc.abstractmethod
-    def init_forward_metadata(self, batch: "ForwardBatch") -> None:
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Precompute what every layer of this forward shares (gather indices, masks, kernel plans)."""
 
     @abc.abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_pool: "KVPool", batch: "ForwardBatch"
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_pool: KVPool, batch: ForwardBatch
     ) -> torch.Tensor:
         """Store ``k``, ``v`` ``[T, Hkv, D]`` at ``batch.out_cache_loc``; attend ``q`` ``[T, Hq, D]``; ``[T, Hq*D]``."""
 

@@ -91,7 +91,7 @@ class FlashInferBackend(AttentionBackend):
         k_buf, v_buf = kv_pool.get_kv(layer_id)
         paged = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [num_slots, page_size=1, Hkv, D]
         wrapper = self.decode if self._mode == ForwardMode.DECODE else self.prefill
-        o = wrapper.run(q.contiguous(), paged)
+        o: torch.Tensor = wrapper.run(q.contiguous(), paged)  # flashinfer is untyped
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 

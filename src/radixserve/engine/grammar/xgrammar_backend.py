@@ -86,21 +86,25 @@ class _Compile:
 
     __slots__ = ("future", "started", "waiters")
 
-    def __init__(self, future: concurrent.futures.Future | None = None):
-        self.future: concurrent.futures.Future = future if future is not None else concurrent.futures.Future()
+    def __init__(self, future: concurrent.futures.Future[Grammar] | None = None):
+        self.future: concurrent.futures.Future[Grammar] = future if future is not None else concurrent.futures.Future()
         self.started: float | None = None
         self.waiters = 0
 
 
-def _done_event(fut: concurrent.futures.Future) -> asyncio.Future:
+def _done_event(fut: concurrent.futures.Future[Any]) -> asyncio.Future[None]:
     """An event-loop future that completes (with None) once ``fut`` is done; cancelling it leaves ``fut`` alone
     (unlike ``asyncio.wrap_future``), and it never holds ``fut``'s exception (so nothing is reported unretrieved)."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
+    done: asyncio.Future[None] = loop.create_future()
 
-    def wake(_: concurrent.futures.Future) -> None:
+    def finish() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def wake(_: concurrent.futures.Future[Any]) -> None:
         try:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            loop.call_soon_threadsafe(finish)
         except RuntimeError:  # that loop has closed; nobody is waiting
             pass
 
@@ -162,7 +166,7 @@ class GrammarBackend:
             return sum(1 for e in self._cache.values() if not e.future.done())
 
     # ------------------------------------------------------------------------------------------------------------
-    def future(self, kind: str, text: str) -> concurrent.futures.Future:
+    def future(self, kind: str, text: str) -> concurrent.futures.Future[Grammar]:
         """The compile future for ``(kind, text)``: cached (done or in progress) or newly submitted.
 
         The future's result is a ``Grammar``; its exception an ``InvalidRequestError`` (400, ``param`` = ``kind``).
@@ -316,9 +320,9 @@ def bound_json_numbers(ebnf: str) -> str:
     out = []
     for line in ebnf.splitlines():
         if _NUMBER_RULE.match(line):
-            line = line.replace("[0-9]*", "[0-9]{0,%d}" % (MAX_NUMBER_DIGITS - 1))
+            line = line.replace("[0-9]*", f"[0-9]{{0,{MAX_NUMBER_DIGITS - 1}}}")
             digits = MAX_EXPONENT_DIGITS if "[eE]" in line else MAX_NUMBER_DIGITS
-            line = line.replace("basic_number_digits{1, -1}", "basic_number_digits{1,%d}" % digits)
+            line = line.replace("basic_number_digits{1, -1}", f"basic_number_digits{{1,{digits}}}")
         out.append(line)
     return "\n".join(out)
 
@@ -433,7 +437,9 @@ def check_schema_supported(schema: Any, path: str = "#") -> None:
         refuse("allOf", f"only a single-element allOf is supported, got {len(all_of)} subschemas")
     required = schema.get("required")
     if isinstance(required, list):
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        props = schema.get("properties")
+        if not isinstance(props, dict):
+            props = {}
         missing = [name for name in required if name not in props]
         if missing:
             refuse("required", f"required properties {missing} are not declared in 'properties'")

@@ -11,7 +11,7 @@ import torch
 
 
 class KVPool:
-    """Per-layer K/V buffers ``k_buffers[layer]``, ``v_buffers[layer]`` of shape ``[num_slots, num_kv_heads, head_dim]``.
+    """Per-layer K/V buffers ``k_buffers[layer]``, ``v_buffers[layer]``, each ``[num_slots, num_kv_heads, head_dim]``.
 
     Slot 0 is the dummy slot; usable slots are ``1 .. num_slots - 1``.
     """

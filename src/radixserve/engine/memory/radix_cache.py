@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -255,6 +255,7 @@ class RadixCache:
             num_freed += len(node.key)
             self._evictable -= len(node.key)
             parent = node.parent
+            assert parent is not None  # the heap holds non-root nodes only
             del parent.children[node.key[0]]
             node.parent = None
             if parent.parent is not None and parent.lock_ref == 0 and parent.is_leaf():
@@ -294,7 +295,7 @@ class RadixCache:
         walk(self.root, 1)
         return "\n".join(lines)
 
-    def _iter_nodes(self):
+    def _iter_nodes(self) -> Iterator[TreeNode]:
         stack = [self.root]
         while stack:
             node = stack.pop()
@@ -307,15 +308,17 @@ class RadixCache:
         The upper node inherits lock_ref and access time, so size accounting is unchanged and a lock held on
         ``child`` keeps covering the same tokens.
         """
+        parent = child.parent
+        assert parent is not None  # the root is never split
         upper = TreeNode(
             child.key[:pos],
             child.value[:pos],
-            child.parent,
+            parent,
             next(self._ids),
             last_access_time=child.last_access_time,
             lock_ref=child.lock_ref,
         )
-        upper.parent.children[child.key[0]] = upper
+        parent.children[child.key[0]] = upper
         child.key = child.key[pos:]
         child.value = child.value[pos:]
         child.parent = upper

@@ -55,7 +55,7 @@ class ModelConfig:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")) or "default"
 
     @classmethod
-    def from_hf_config(cls, hf: Any, context_length: int | None = None) -> "ModelConfig":
+    def from_hf_config(cls, hf: Any, context_length: int | None = None) -> ModelConfig:
         """Build from a transformers ``PretrainedConfig``.
 
         Raises:
@@ -101,7 +101,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, model_path: str, context_length: int | None = None) -> "ModelConfig":
+    def from_pretrained(cls, model_path: str, context_length: int | None = None) -> ModelConfig:
         """Read an HF directory's ``config.json`` or a ``.gguf`` file's metadata (via transformers).
 
         EOS ids listed in the directory's ``generation_config.json`` (e.g. Llama 3's ``<|eot_id|>``) are added.

@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import os
 import sys
+from typing import Any
 
 from radixserve.contracts import constants
 
@@ -38,8 +39,9 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
     d, f = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)  # else save_pretrained says "not serializable"
+    quantizer: Any = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)  # else save_pretrained says "not serializable"
     tmp = out_dir + ".tmp"
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)

@@ -65,7 +65,7 @@ class ForwardBatch:
         input_ids: list[list[int]],
         kv_slots: list[list[int]],
         device: torch.device | str = "cpu",
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """Convenience constructor for tests and warmup (the scheduler builds batches from its own tables).
 
         Args:

@@ -9,6 +9,8 @@ apart from the fused shards.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,11 +63,11 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device)
         self.o_proj = _linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
-        else:
-            self.q_norm = self.k_norm = None
         self.rope = rope  # shared by all layers; set after weights are materialised
 
     def forward(
@@ -83,11 +85,13 @@ class LlamaAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        assert self.rope is not None, "LlamaForCausalLM.materialize() sets the shared RoPE cache"
         q, k = self.rope(positions, q, k)
         o = attn.forward(q, k, v, self.layer_id, kv_pool, batch)
-        return self.o_proj(o)
+        out: torch.Tensor = self.o_proj(o)
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -101,7 +105,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -123,7 +128,8 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, batch, kv_pool, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -166,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
             device,
         )
         for layer in self.model.layers:
-            layer.self_attn.rope = self.rope
+            cast(LlamaDecoderLayer, layer).self_attn.rope = self.rope  # nn.ModuleList iterates as plain Module
 
     def lm_head_weight(self) -> torch.Tensor:
         """``[vocab, hidden]``: the embedding matrix when tied, else ``lm_head.weight``."""

@@ -114,7 +114,7 @@ def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dst.shape)}")
         dst.copy_(tensor)
         loaded.add(target)
-    expected = set()
+    expected: set[str] = set()
     for pname in params:
         fused = pname.split(".")[-2] if "." in pname else ""
         if fused in shard_rows:

@@ -88,6 +88,9 @@ def _yarn_inv_freq(dim: int, theta: float, s: dict[str, Any], max_pos: int) -> t
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin cache ``[context_length, head_dim]`` applied to q/k by absolute position."""
 
+    cos: torch.Tensor  # buffers registered in __init__
+    sin: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

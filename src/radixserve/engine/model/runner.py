@@ -151,7 +151,8 @@ class ModelRunner:
         Writes the new tokens' K/V into ``kv_pool`` at ``batch.out_cache_loc`` as a side effect.
         """
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch, self.kv_pool, self.attn_backend)
+        logits: torch.Tensor = self.model(batch, self.kv_pool, self.attn_backend)
+        return logits
 
     def warmup(self) -> None:
         """One tiny EXTEND of a single token written to the dummy slot 0 (touches no usable slot)."""

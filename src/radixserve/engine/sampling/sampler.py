@@ -21,11 +21,10 @@ rest of the batch.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
-
 import torch
 
 from radixserve.engine.io_struct import SamplingParams, TokenLogprob
@@ -320,7 +319,8 @@ def _set_bit_ids(words: np.ndarray) -> np.ndarray:
     """Token ids whose bit is set in ``words`` ``[num_words]`` int32 (bit j of word w is id 32 w + j), sorted."""
     nz = np.flatnonzero(words)
     bits = np.unpackbits(words[nz].view(np.uint8), bitorder="little").view(bool).reshape(len(nz), 32)
-    return (nz[:, None] * 32 + _BIT_OFFSETS)[bits]
+    ids: np.ndarray = (nz[:, None] * 32 + _BIT_OFFSETS)[bits]
+    return ids
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

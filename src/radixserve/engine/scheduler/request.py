@@ -81,4 +81,7 @@ class Req:
         self.extend_len = 0
 
     def __repr__(self) -> str:
-        return f"Req(rid={self.rid!r}, index={self.index}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)})"
+        return (
+            f"Req(rid={self.rid!r}, index={self.index}, prompt={len(self.origin_input_ids)}, "
+            f"out={len(self.output_ids)})"
+        )

@@ -15,8 +15,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -115,13 +116,14 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue[GenerateRequest | None] = queue.Queue()  # None: wake the loop
         self.aborts: collections.deque[str] = collections.deque()
-        self.control: queue.Queue = queue.Queue()  # (fn, result_queue) run on the loop thread between steps
+        # (fn, result_queue) run on the loop thread between steps
+        self.control: queue.Queue[tuple[Callable[[], Any], queue.Queue[tuple[bool, Any]]]] = queue.Queue()
 
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
-        self.future: concurrent.futures.Future | None = None
+        self.future: concurrent.futures.Future[None] | None = None
         self.alive = False
         self.last_output_time = 0.0
         self.forward_count = 0
@@ -143,7 +145,7 @@ class Scheduler:
 
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
         """Run ``fn`` on the loop thread between steps and return its result (any thread)."""
-        result: queue.Queue = queue.Queue()
+        result: queue.Queue[tuple[bool, Any]] = queue.Queue()
         self.control.put((fn, result))
         self.inbox.put(None)
         ok, value = result.get(timeout=timeout)
@@ -440,7 +442,9 @@ class Scheduler:
             self.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + req.extend_len] = slots
         if not batch:
             return
-        input_ids, positions, out_loc = [], [], []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        out_loc: list[torch.Tensor] = []
         for req in batch:
             ids = req.fill_ids[req.kv_len : req.kv_len + req.extend_len]
             input_ids.extend(ids)

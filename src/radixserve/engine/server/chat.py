@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.contracts.protocol import ChatCompletionRequest, ChatMessage
 from radixserve.engine.io_struct import InvalidRequestError
 from radixserve.engine.server.tools import render_call_text, tools_prompt
-from radixserve.contracts.protocol import ChatCompletionRequest, ChatMessage
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 _IMAGE_PARTS = {"image_url", "input_image", "image"}
@@ -40,7 +40,7 @@ class TemplateCaps:
     content_lists: bool = False
 
     @classmethod
-    def probe(cls, tokenizer: Any) -> "TemplateCaps":
+    def probe(cls, tokenizer: Any) -> TemplateCaps:
         """Render two probe conversations. Templates that raise on a probe lack that feature."""
         msgs = [{"role": "user", "content": "hi"}]
 

@@ -357,9 +357,10 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[tuple
         except ValueError:
             return text, []
         objs = obj if isinstance(obj, list) and obj else [obj]
-        calls = [_as_call(o, names) for o in objs]
-        if all(c is not None for c in calls):
-            return None, calls  # type: ignore[return-value]
+        found = [_as_call(o, names) for o in objs]
+        calls = [c for c in found if c is not None]
+        if len(calls) == len(found):
+            return None, calls
     return text, []
 
 

@@ -1,11 +1,11 @@
 """Incremental (streaming) detokenization that never emits half a UTF-8 character.
 
-The surr_offset / read_offset scheme of SGLang's ``DetokenizerManager`` (``schedule_batch.Req.init_incremental_detokenize``)
-and vLLM's ``detokenize_incrementally``: every step decodes a short window ``ids[surr_offset:]`` and compares it with
-``ids[surr_offset:read_offset]`` (the surrounding context already emitted). Decoding with a little left context keeps
-the leading space of SentencePiece / ByteLevel pieces right, and the window stays short because both offsets advance
-whenever the decoded text is stable (does not end with U+FFFD, the replacement character a decoder produces for an
-incomplete UTF-8 byte sequence).
+The surr_offset / read_offset scheme of SGLang's ``DetokenizerManager``
+(``schedule_batch.Req.init_incremental_detokenize``) and vLLM's ``detokenize_incrementally``: every step decodes a short
+window ``ids[surr_offset:]`` and compares it with ``ids[surr_offset:read_offset]`` (the surrounding context already
+emitted). Decoding with a little left context keeps the leading space of SentencePiece / ByteLevel pieces right, and the
+window stays short because both offsets advance whenever the decoded text is stable (does not end with U+FFFD, the
+replacement character a decoder produces for an incomplete UTF-8 byte sequence).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class IncrementalDetokenizer:
         ids = self.ids[start:end]
         if not ids:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return text
 
     def _window_delta(self) -> str:
         """Text of ``ids[surr_offset:]`` beyond the context ``ids[surr_offset:read_offset]``."""

@@ -9,8 +9,8 @@ tokens + remaining max_tokens), not requests: one 8k-token prompt is not one 10-
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 from hashlib import blake2b
-from typing import Sequence
 
 from radixserve.router.policy.simple import IndexedPolicy, load_order
 from radixserve.router.types import PrefixKey, RouteDecision, WorkerLoad
@@ -31,7 +31,8 @@ class PrefixHashPolicy(IndexedPolicy):
     ``load + cost <= load_factor * (total_load + cost) / n`` (the paper's bound, in tokens), or when its load exceeds
     the least loaded worker's by at most ``balance_abs_tokens``: below that, an imbalance costs less than the cache
     miss a spill causes (SGLang's router balances only past an absolute threshold too, 64 requests there). So the
-    least loaded worker always fits, and a prompt larger than the mean load keeps its prefix affinity. Raises ``ValueError`` for ``virtual_nodes < 1`` or ``load_factor < 1``.
+    least loaded worker always fits, and a prompt larger than the mean load keeps its prefix affinity. Raises
+    ``ValueError`` for ``virtual_nodes < 1`` or ``load_factor < 1``.
     """
 
     name = "prefix_hash"

@@ -7,7 +7,7 @@ policy (the prefix-blind ones included: that is what makes their hit rates compa
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from radixserve.router.prefix_index import PrefixIndex
 from radixserve.router.types import PrefixKey, RouteDecision, RouteReason, WorkerLoad
