@@ -76,7 +76,7 @@ def create_app(chunks: int = 16, chunk_interval_s: float = 0.01, tokenizer_dir: 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events():
-            for i in range(chunks):
+            for _ in range(chunks):
                 delta = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
                 yield f"data: {json.dumps({'id': rid, 'model': MODEL, 'choices': [delta]})}\n\n"
                 if chunk_interval_s:

@@ -31,8 +31,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import httpx
 
@@ -196,7 +196,7 @@ async def run_workload(url: str, convs: list[dict], turns: int, max_tokens: int,
             order = list(range(len(convs)))
             rng.shuffle(order)
 
-            async def turn(i: int) -> None:
+            async def turn(i: int, t: int) -> None:
                 conv = convs[i]
                 msgs = conv["messages"] + [{"role": "user", "content": conv["questions"][t]}]
                 async with sem:
@@ -204,7 +204,7 @@ async def run_workload(url: str, convs: list[dict], turns: int, max_tokens: int,
                 conv["messages"] = msgs + [{"role": "assistant", "content": res["text"]}]
                 results.append(res)
 
-            await asyncio.gather(*(turn(i) for i in order))
+            await asyncio.gather(*(turn(i, t) for i in order))
         wall = time.perf_counter() - t0
     prompt = sum(r["usage"]["prompt_tokens"] for r in results)
     cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in results)

@@ -1,7 +1,7 @@
 """Shared-prefix workloads against our engine with the radix cache on and off, side by side in one process.
 
-Prints one JSON line per workload:
-``{"workload": "chat", "on": {"wall_s", "output_tok_s", "mean_ttft_s", "cached_frac"}, "off": {...}, "speedup": off/on}``
+Prints one JSON line per workload, e.g. ``{"workload": "chat", "on": {...}, "off": {...}, "speedup": off/on}`` with
+``"on"`` and ``"off"`` each ``{"wall_s", "output_tok_s", "mean_ttft_s", "cached_frac"}``.
 
 (a) chat: 32 requests sharing one ~800-token system prompt, ~30-token distinct user turns, 64 output tokens,
     8 concurrent. (b) few-shot: 64 requests sharing a ~1,500-token few-shot prefix, distinct ~20-token questions,

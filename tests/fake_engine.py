@@ -1,16 +1,18 @@
 """A fake of the Engine boundary (engine/engine.py's ``Engine`` interface) for testing the HTTP layer alone.
 
 It uses the real tokenizer and emits scripted ``ReqOutput`` deltas: sample ``i`` of a request produces the token ids
-of ``script`` rotated by ``i`` tokens (or, after ``set_outputs(texts)``, the tokens of ``texts[i % len(texts)]``), one token per step, ``delay_s`` seconds apart, until ``max_new_tokens``
-(finish "length") or the end of the script (finish "stop", matched eos). Text deltas are decoded incrementally and
-never end in half a character. It records every request it received and every request aborted before finishing.
+of ``script`` rotated by ``i`` tokens (or, after ``set_outputs(texts)``, the tokens of ``texts[i % len(texts)]``),
+one token per step, ``delay_s`` seconds apart, until ``max_new_tokens`` (finish "length") or the end of the script
+(finish "stop", matched eos). Text deltas are decoded incrementally and never end in half a character. It records
+every request it received and every request aborted before finishing.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -219,13 +221,13 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture
-def engine(tokenizer: Any, request: Any) -> "FakeEngine":
+def engine(tokenizer: Any, request: Any) -> FakeEngine:
     """A fresh fake engine; a test module may set ``FAKE_CONTEXT_LENGTH`` (default 2048 tokens)."""
     return FakeEngine(tokenizer, context_length=getattr(request.module, "FAKE_CONTEXT_LENGTH", 2048))
 
 
 @pytest.fixture
-def client(engine: "FakeEngine") -> Any:
+def client(engine: FakeEngine) -> Any:
     from fastapi.testclient import TestClient
 
     from radixserve.engine.server.http import create_app

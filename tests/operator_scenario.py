@@ -16,14 +16,16 @@ import asyncio
 import copy
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import kmock
 
-from conftest import free_port
 from radixserve.contracts import constants
 from radixserve.operator.main import OperatorConfig, run_operator
 from radixserve.operator.metrics import OperatorMetrics
+
+from conftest import free_port
 
 NS = "ml"
 ISVC_API = f"/apis/{constants.API_GROUP}/{constants.API_VERSION}"

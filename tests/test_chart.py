@@ -20,11 +20,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from crd_validation import validate_custom_object
-from helm import CHART_DIR, ROOT, HelmError, helm_bin, helm_lint, helm_template, run_helm
 from radixserve.contracts import constants
 from radixserve.operator import spec as isvc_spec
 from radixserve.operator.render import CHILD_TYPES, RenderOptions, render_children
+
+from crd_validation import validate_custom_object
+from helm import CHART_DIR, ROOT, HelmError, helm_bin, helm_lint, helm_template, run_helm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -316,7 +317,8 @@ def test_rbac_has_no_wildcards(values):
 
 
 def test_rbac_covers_the_operator_design(default_objs):
-    """The calls the operator design implies; tests/test_operator_rbac.py compares with the calls recorded against kmock."""
+    """The calls the operator design implies; tests/test_operator_rbac.py compares with the calls recorded against
+    kmock."""
     g = granted([rule for _, rule in rbac_rules(default_objs)])
     crud = ("get", "list", "watch", "create", "patch", "delete")
     needed = {(constants.API_GROUP, constants.CRD_PLURAL, v) for v in ("get", "list", "watch", "patch")}
@@ -627,7 +629,8 @@ def render_notes(values: dict[str, Any], tmp_path) -> str:
     (chart / "templates" / "NOTES.txt").unlink()
     (chart / "templates" / "_notes_probe.tpl").write_text('{{- define "notes.probe" }}' + notes + "{{- end }}")
     (chart / "templates" / "notes-probe.yaml").write_text(
-        'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: {{ include "notes.probe" . | toJson }}\n'
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n"
+        'data:\n  notes: {{ include "notes.probe" . | toJson }}\n'
     )
     proc = run_helm(
         ["template", "radixserve", str(chart), "--namespace", NAMESPACE, "--show-only", "templates/notes-probe.yaml"],

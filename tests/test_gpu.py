@@ -106,7 +106,7 @@ def test_engine_on_cuda(tiny_model_dir, backend):
             results[disable] = (cold, warm)
             sched = engine.scheduler
             assert (
-                sched.call(lambda: sched.allocator.available() + sched.cache.evictable_size()) == sched.allocator.size
+                sched.call(lambda s=sched: s.allocator.available() + s.cache.evictable_size()) == sched.allocator.size
             )
         finally:
             engine.shutdown()

@@ -22,9 +22,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import MODEL_DIR, requires_model
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, SamplingParams
 from radixserve.engine.sampling.sampler import apply_token_bitmask
+
+from conftest import MODEL_DIR, requires_model
 
 V = 49152
 WORDS = V // 32
@@ -254,10 +255,11 @@ def served():
     """``(engine, base_url)``: one real fp32 engine, also behind uvicorn."""
     if not __import__("os").path.exists(MODEL_DIR + "/config.json"):
         pytest.skip("demo model not converted")
-    from fake_engine import ServerThread, wait_until
     from radixserve.engine.config import EngineArgs
     from radixserve.engine.engine import Engine
     from radixserve.engine.server.http import create_app
+
+    from fake_engine import ServerThread, wait_until
 
     engine = Engine(
         EngineArgs(model_path=MODEL_DIR, dtype="float32", context_length=2048, num_threads=2, max_total_tokens=16384)
@@ -340,7 +342,7 @@ def test_json_schema_prompts_all_parse_and_validate(engine):
     before = counter(engine, "num_constrained_requests_total")
     jobs = [(chat_ids(engine, p), {"json_schema": json.dumps(s)}) for p, s in SCHEMA_PROMPTS]
     outs = run_many(engine, jobs)
-    for (prompt, schema), out in zip(SCHEMA_PROMPTS, outs):
+    for (_, schema), out in zip(SCHEMA_PROMPTS, outs):
         assert_valid_json(out[0]["text"], schema, out[0]["finish"])
     assert counter(engine, "num_constrained_requests_total") - before == len(SCHEMA_PROMPTS)
     assert_idle(engine)
@@ -592,9 +594,9 @@ def test_bound_json_numbers_rewrites_only_generic_number_rules():
         ]
     )
     lines = bound_json_numbers(ebnf).splitlines()
-    assert lines[0].endswith("[0-9]{0,%d}))" % (MAX_NUMBER_DIGITS - 1))
-    assert lines[1].endswith("[0-9]{0,%d}))" % (MAX_NUMBER_DIGITS - 1))
-    assert "basic_number_digits{1,%d}" % MAX_NUMBER_DIGITS in lines[2]
+    assert lines[0].endswith(f"[0-9]{{0,{MAX_NUMBER_DIGITS - 1}}}))")
+    assert lines[1].endswith(f"[0-9]{{0,{MAX_NUMBER_DIGITS - 1}}}))")
+    assert f"basic_number_digits{{1,{MAX_NUMBER_DIGITS}}}" in lines[2]
     assert "basic_number_digits{1,3}" in lines[3]
     assert lines[4] == "root_1 ::= (([1-9] [0-9]*))"  # a user's pattern stays as written
 

@@ -1,8 +1,8 @@
 """Static checks of the image (Dockerfile, Dockerfile.gpu, .dockerignore), the kind e2e script and the Kubernetes docs.
 
 No Docker engine or cluster exists here, so nothing is built or deployed: the Dockerfiles are parsed and held to the
-contracts in src/radixserve/contracts/constants.py, the e2e script is syntax-checked (and shellchecked when shellcheck is
-installed) and run against stub docker/kind/kubectl/helm/curl commands that record their calls, and the chart is
+contracts in src/radixserve/contracts/constants.py, the e2e script is syntax-checked (and shellchecked when shellcheck
+is installed) and run against stub docker/kind/kubectl/helm/curl commands that record their calls, and the chart is
 rendered with the script's own `--set` flags when the project's helm binary (.tools/bin/helm) is present.
 """
 
@@ -510,7 +510,7 @@ def test_docs_explain_every_condition_reason_the_operator_sets():
     # Reasons of writes the API server refused or could not take (apply.py, handlers.py).
     for module in ("apply.py", "handlers.py"):
         other = (ROOT / "src" / "radixserve" / "operator" / module).read_text()
-        reasons |= set(re.findall(r'ApplyRejected\("(\w+)"', other))
+        reasons |= set(re.findall(r'ApplyRejected\(\s*"(\w+)"', other))
         reasons |= {r for pair in re.findall(r'reason = "(\w+)" if [^\n]* else "(\w+)"', other) for r in pair}
     assert {"ChildConflict", "ApplyFailed"} <= reasons, reasons
     text = DOCS.read_text()

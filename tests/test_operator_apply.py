@@ -12,7 +12,6 @@ from typing import Any
 import kopf
 import pytest
 
-from k8s_emulator import K8sEmulator, k8s, strip_empty  # noqa: F401 - pytest fixture
 from radixserve.contracts import constants
 from radixserve.operator.apply import (
     LAST_APPLIED_ANNOTATION,
@@ -30,6 +29,8 @@ from radixserve.operator.apply import (
 )
 from radixserve.operator.render import CHILD_TYPES, RenderOptions, render_children
 from radixserve.operator.spec import InferenceService
+
+from k8s_emulator import K8sEmulator, k8s, strip_empty  # noqa: F401 - pytest fixture
 
 NS = "ml"
 DEPLOYMENTS = next(t for t in CHILD_TYPES if t.kind == "Deployment")

@@ -24,10 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
+from radixserve.contracts import constants
+
 from conftest import MODEL_DIR, free_port, requires_model
 from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 from operator_scenario import NS, OperatorHarness, child_path, isvc_body, isvc_path, until
-from radixserve.contracts import constants
 
 NAME = "demo"
 SPEC = {

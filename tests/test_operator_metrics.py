@@ -1,4 +1,7 @@
-"""The operator exports exactly the metric names in src/radixserve/contracts/constants.py (the dashboard and alerts use those)."""
+"""The operator exports exactly the metric names in src/radixserve/contracts/constants.py.
+
+The dashboard and the alerts use those names.
+"""
 
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from radixserve.operator.render import CHILD_TYPES
+
 from helm import helm_template
 from k8s_emulator import k8s  # noqa: F401 - fixture
-from radixserve.operator.render import CHILD_TYPES
 from operator_scenario import representative_api_calls
 
 # (verb, apiGroup, resource) granted although the scenario does not make the call, with the reason.

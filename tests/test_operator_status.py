@@ -5,7 +5,7 @@ has no controllers."""
 from __future__ import annotations
 
 import copy
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import kubernetes_validate
@@ -18,7 +18,7 @@ from radixserve.operator.status import ApplyError, ObservedChildren, compute_sta
 
 NS = "ml"
 NAME = "llm"
-NOW = datetime(2025, 5, 1, 10, 5, 0, tzinfo=timezone.utc)
+NOW = datetime(2025, 5, 1, 10, 5, 0, tzinfo=UTC)
 LATER = NOW + timedelta(minutes=3)
 ENGINE_RS = f"{constants.engine_deployment_name(NAME)}-6c9f8d7b5d"
 ROUTER_RS = f"{constants.router_deployment_name(NAME)}-5f7d9c8b4"

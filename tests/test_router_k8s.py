@@ -12,13 +12,14 @@ from typing import Any
 import httpx
 import pytest
 
-from fake_engine import FakeEngine, ServerThread, load_tokenizer
-from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 from radixserve.contracts import constants
 from radixserve.engine.server.http import create_app as engine_app
 from radixserve.router.app import create_app
 from radixserve.router.config import RouterArgs
 from test_router_discovery import NS, SLICES, create, ep, make_slice, patch
+
+from fake_engine import FakeEngine, ServerThread, load_tokenizer
+from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 
 SERVICE = "demo-engine"
 

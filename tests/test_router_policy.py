@@ -11,12 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import MODEL_DIR
 from radixserve.router.policy import POLICIES, make_policy
 from radixserve.router.policy.chwbl import PrefixHashPolicy, ring_hash
 from radixserve.router.prefix_index import PrefixIndex
 from radixserve.router.prefix_key import PrefixKeyExtractor
 from radixserve.router.types import PrefixKey, WorkerLoad
+
+from conftest import MODEL_DIR
 
 MODEL = "smollm2-135m-instruct"
 
@@ -293,7 +294,7 @@ def test_every_policy_predicts_cached_tokens_from_what_it_sent(name):
     assert all(d.predicted_cached_tokens == 0 for d in policy.rank(key, idle(ws), 10))
 
 
-# ---------------------------------------------------------------------------------------------------- required properties
+# -------------------------------------------------------------------------------------------------- required properties
 
 WORDS = (
     "train ticket museum river bridge harbor castle market garden station coffee bakery ancient modern quiet busy "

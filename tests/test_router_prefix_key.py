@@ -1,4 +1,4 @@
-"""Router prefix keys: the blocks are what the engine caches (same rendering, same token ids), chained and namespaced."""
+"""Router prefix keys: the blocks are what the engine caches (same rendering and token ids), chained and namespaced."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import MODEL_DIR, requires_model
 from radixserve.router.prefix_key import PrefixKeyExtractor
 from radixserve.router.tokenizer import tokenizer_from_files
+
+from conftest import MODEL_DIR, requires_model
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a meticulous assistant for a travel agency. Answer in at most three sentences, cite prices in euros."
@@ -98,8 +99,8 @@ def test_tokenizer_files_reject_empty_and_binary():
 def test_chat_key_is_the_engines_prompt(ex, tok):
     """Chat blocks are the blocks of the engine's own rendering (render_prompt + encode without special tokens),
     including developer -> system, content parts joined by newlines, and names."""
-    from radixserve.engine.server.chat import render_prompt
     from radixserve.contracts.protocol import ChatCompletionRequest
+    from radixserve.engine.server.chat import render_prompt
 
     messages = [
         {"role": "developer", "content": SYSTEM},

@@ -11,9 +11,10 @@ import time
 
 import httpx
 
+from radixserve.engine.server.http import create_app as engine_app
+
 from conftest import ROOT, free_port
 from fake_engine import FakeEngine, ServerThread, load_tokenizer
-from radixserve.engine.server.http import create_app as engine_app
 
 
 def test_sigterm_ends_streams_with_an_error_event(tmp_path):

@@ -13,8 +13,9 @@ import httpx
 import openai
 import pytest
 
-from fake_engine import MODEL_DIR, ServerThread, wait_until
 from radixserve.engine.config import EngineArgs
+
+from fake_engine import MODEL_DIR, ServerThread, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "smollm2-135m-instruct"

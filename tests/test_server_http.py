@@ -5,10 +5,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from fake_engine import client, engine, tokenizer  # noqa: F401 - shared pytest fixtures
-from fake_engine import FakeEngine, ServerThread, wait_until
 from radixserve.engine.server.common import RidRegistry
 from radixserve.engine.server.http import create_app
+
+from fake_engine import FakeEngine, ServerThread, client, engine, tokenizer, wait_until  # noqa: F401 - shared pytest fixtures
 
 MSGS = [{"role": "user", "content": "Say hello."}]
 

@@ -2,9 +2,7 @@
 
 import pytest
 
-from fake_engine import client, engine, tokenizer  # noqa: F401 - shared pytest fixtures
-from fake_engine import sse_payloads
-
+from fake_engine import client, engine, sse_payloads, tokenizer  # noqa: F401 - shared pytest fixtures
 
 FAKE_CONTEXT_LENGTH = 256
 

@@ -3,10 +3,10 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from fake_engine import client, engine, tokenizer  # noqa: F401 - shared pytest fixtures
-from fake_engine import FakeEngine, sse_payloads
 from radixserve.contracts import constants
 from radixserve.engine.server.http import create_app
+
+from fake_engine import FakeEngine, client, engine, sse_payloads, tokenizer  # noqa: F401 - shared pytest fixtures
 
 MODEL = "smollm2-135m-instruct"
 MSGS = [{"role": "user", "content": "Say hello."}]

@@ -13,9 +13,8 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from fake_engine import FakeEngine, ServerThread, load_tokenizer, sse_payloads
-from fake_engine import tokenizer  # noqa: F401 - shared pytest fixture
 from radixserve.contracts import constants
+from radixserve.contracts.protocol import ChatCompletionRequest
 from radixserve.engine.io_struct import InvalidRequestError, SamplingParams
 from radixserve.engine.server.chat import RenderOptions, TemplateCaps, render_prompt
 from radixserve.engine.server.http import create_app
@@ -29,7 +28,14 @@ from radixserve.engine.server.tools import (
     tools_prompt,
     validate_tools,
 )
-from radixserve.contracts.protocol import ChatCompletionRequest
+
+from fake_engine import (
+    FakeEngine,
+    ServerThread,
+    load_tokenizer,
+    sse_payloads,
+    tokenizer,  # noqa: F401 - shared pytest fixture
+)
 
 MODEL = "smollm2-135m-instruct"
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -292,7 +298,7 @@ def test_parse_tool_calls(text, content, calls):
 
 
 def run_parser(parser: ChatOutputParser, pieces: list[str]):
-    reasoning, content, calls = "", "", None
+    reasoning, content = "", ""
     for piece in pieces:
         d = parser.feed(piece, 1)
         reasoning, content = reasoning + d.reasoning, content + d.content
@@ -1075,9 +1081,10 @@ def real_server():
     import httpx
     import torch
 
-    from fake_engine import MODEL_DIR, wait_until
     from radixserve.engine.config import EngineArgs
     from radixserve.engine.engine import Engine
+
+    from fake_engine import MODEL_DIR, wait_until
 
     if not _engine_accepts_constraints():
         pytest.skip("the engine does not accept output constraints yet")
