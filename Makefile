@@ -12,7 +12,10 @@ TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 MODEL_DIR := models/smollm2-135m-instruct
 PYTEST_ARGS ?=
 
-.PHONY: install tools run test bench clean-venv
+LINT_PATHS := src tests bench
+SHELL_SCRIPTS := scripts/*.sh e2e/kind.sh .ci/run
+
+.PHONY: install tools run test test-fast lint fmt crd bench clean-venv
 
 install: $(VENV)/.installed $(MODEL_DIR)/config.json tools
 
@@ -40,6 +43,26 @@ run: install
 
 test: install
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# The inner loop: everything but the real-model/server tests and kopf against the emulator (a few minutes less).
+test-fast: install
+	$(VENV)/bin/pytest -q -m "not slow and not kopf" $(PYTEST_ARGS)
+
+# ruff (lint + format check), mypy (strict; exceptions in pyproject.toml), import rules (.importlinter), shellcheck.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
+
+fmt: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix $(LINT_PATHS)
+	$(VENV)/bin/ruff format $(LINT_PATHS)
+
+# Regenerate the InferenceService CRD (crds/ and the chart's copy) from src/radixserve/operator/spec.py.
+crd: $(VENV)/.installed
+	$(PY) -m radixserve.operator.crd --write
 
 bench: install
 	$(PY) bench/shared_prefix.py

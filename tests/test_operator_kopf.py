@@ -18,6 +18,9 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from radixserve.contracts import constants
+from radixserve.operator.render import CHILD_TYPES, engine_selector
+
 from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 from operator_scenario import (
     NS,
@@ -30,10 +33,8 @@ from operator_scenario import (
     until,
     writes,
 )
-from radixserve.contracts import constants
-from radixserve.operator.render import CHILD_TYPES, engine_selector
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.kopf, pytest.mark.timeout(120)]
 
 NAME = "demo"
 ENGINE = constants.engine_deployment_name(NAME)
