@@ -37,6 +37,13 @@ def resolve_model_path(path: str) -> str:
     return str(candidate) if candidate.exists() else path
 
 
+def resolve_model_paths(args: EngineArgs) -> None:
+    """``resolve_model_path`` applied to the engine's model and tokenizer paths, in place."""
+    args.model_path = resolve_model_path(args.model_path)
+    if args.tokenizer_path:
+        args.tokenizer_path = resolve_model_path(args.tokenizer_path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from radixserve.engine.config import add_engine_args
 
@@ -123,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_up(args, ns)
         from radixserve.engine.server.http import run_engine
 
-        args.model_path = resolve_model_path(args.model_path)
-        if args.tokenizer_path:
-            args.tokenizer_path = resolve_model_path(args.tokenizer_path)
+        resolve_model_paths(args)
         return run_engine(args)
     except KeyboardInterrupt:  # Ctrl-C while a model was still loading
         return 130
@@ -148,9 +153,7 @@ def run_up(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
         log_level=engine_args.log_level,
         max_request_body_bytes=engine_args.max_request_body_bytes,
     )
-    engine_args.model_path = resolve_model_path(engine_args.model_path)
-    if engine_args.tokenizer_path:
-        engine_args.tokenizer_path = resolve_model_path(engine_args.tokenizer_path)
+    resolve_model_paths(engine_args)
     return run_local_stack(engine_args, router_args, ns.engines, ns.engine_base_port)
 
 
