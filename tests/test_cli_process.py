@@ -56,6 +56,7 @@ def test_sigint_with_requests_in_flight_aborts_them_and_exits(tmp_path):
             time.sleep(0.5)
         else:
             pytest.fail("engine did not become healthy")
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
 
         body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
         results: dict[str, object] = {}
@@ -92,7 +93,11 @@ def test_sigint_with_requests_in_flight_aborts_them_and_exits(tmp_path):
         plain = results["plain"]
         assert plain.status_code == 503 and plain.json()["object"] == "error"
         log.seek(0)
-        assert "Traceback" not in log.read()
+        text = log.read()
+        assert "Traceback" not in text
+        # Probes and scrapes stay out of the INFO access log; real requests are in it.
+        assert '"POST /v1/completions HTTP/1.1"' in text
+        assert "GET /health" not in text and "GET /metrics" not in text
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -47,7 +47,8 @@ logger = logging.getLogger("radixserve.engine.server")
 # Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key), and out of the INFO
 # access log (the router and the kubelet probe every few seconds).
 _OPEN_PATHS = frozenset({constants.ENGINE_HEALTH_PATH, constants.ENGINE_HEALTH_GENERATE_PATH, "/metrics"})
-_PROBE_PATHS = _OPEN_PATHS | {constants.ENGINE_TOKENIZER_FILES_PATH, "/v1/models", "/get_model_info"}
+# The router re-reads /v1/models on every probe and the tokenizer files once per model.
+_PROBE_PATHS = _OPEN_PATHS | {constants.ENGINE_TOKENIZER_FILES_PATH, "/v1/models"}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
