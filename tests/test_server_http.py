@@ -50,6 +50,28 @@ def test_unknown_route_is_openai_error(client):
     assert r.status_code == 404 and r.json()["object"] == "error"
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        # Regression: '{bad json' answered "1: JSON decode error" with param "1".
+        (b"{bad json", "the request body is not valid JSON: Expecting property name enclosed in double quotes"),
+        (b"", "the request body is empty; a JSON object is expected"),
+        (b"[1, 2]", "the request body must be a JSON object"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/generate"])
+def test_a_body_that_is_not_a_json_object_is_a_clear_400(client, path, body, message):
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json() == {
+        "object": "error",
+        "message": message,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": 400,
+    }
+
+
 def test_request_id_generated_and_echoed_everywhere(client):
     r = client.get("/health")
     rid = r.headers["x-request-id"]

@@ -52,9 +52,19 @@ _PROBE_PATHS = _OPEN_PATHS | {constants.ENGINE_TOKENIZER_FILES_PATH, "/v1/models
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """``(message, param)`` of the 400 for a body FastAPI could not validate: the first five errors, each with its
+    field path; a body that is not JSON, or not a JSON object, says so as the router does."""
+    errors = exc.errors()
+    if errors and errors[0].get("type") == "json_invalid":
+        detail = (errors[0].get("ctx") or {}).get("error") or errors[0].get("msg")
+        return f"the request body is not valid JSON: {detail}", None
+    if errors and tuple(errors[0].get("loc", ())) == ("body",):
+        if errors[0].get("type") == "missing":
+            return "the request body is empty; a JSON object is expected", None
+        return "the request body must be a JSON object", None
     parts = []
     param = None
-    for err in exc.errors()[:5]:
+    for err in errors[:5]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         if param is None and where:
