@@ -43,6 +43,34 @@ def test_up_forwards_engine_flags_and_splits_threads():
     assert split_threads(2, 2) == 1 and split_threads(1, 2) == 1 and split_threads(16, 3) == 5
 
 
+def test_up_help_says_which_flags_reach_the_engines_and_which_the_router(monkeypatch):
+    # Regression: `up --help` (and README) said --api-key/--log-level/--max-request-body-bytes applied to the router
+    # only; engine_argv forwards them to every engine as well (the router gets them too, the key as engine_api_key).
+    from radixserve.engine.config import engine_args_from_namespace
+    from radixserve.launch import cli, local_stack
+    from radixserve.launch.local_stack import engine_argv
+
+    shared = {"--log-level": "debug", "--max-request-body-bytes": "1000"}
+    argv = ["up", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k", *sum(shared.items(), ())]
+    ns = build_parser().parse_args(argv)
+    flags = engine_argv(engine_args_from_namespace(ns), 30000, 1)[4:]
+    for flag, value in shared.items():  # how the key reaches the engines is local_stack's business, not pinned here
+        assert flags[flags.index(flag) + 1] == value, flag
+    assert flags[flags.index("--host") + 1] == "127.0.0.1" and flags[flags.index("--port") + 1] == "30000"
+    seen = {}
+    monkeypatch.setattr(local_stack, "run_local_stack", lambda engine_args, router_args, *a: seen.update(r=router_args))
+    monkeypatch.setattr(cli, "resolve_model_paths", lambda args: None)
+    cli.run_up(engine_args_from_namespace(ns), ns)
+    r = seen["r"]
+    assert (r.host, r.port, r.log_level, r.max_request_body_bytes) == ("0.0.0.0", 9000, "debug", 1000)
+    assert r.api_key == r.engine_api_key == "k"  # the router checks the key and calls the engines with it
+    up = next(a for a in build_parser()._actions if a.dest == "command").choices["up"]
+    text = " ".join(up.description.split())
+    assert "--host/--port are the router's" in text
+    assert "--api-key, --log-level and --max-request-body-bytes included" in text
+    assert "apply to the router too" in text
+
+
 def test_up_defaults_to_the_public_endpoint_and_demo_model():
     ns = build_parser().parse_args(["up"])
     assert (ns.host, ns.port) == (constants.PUBLIC_HOST, constants.PUBLIC_PORT)

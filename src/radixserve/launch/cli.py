@@ -59,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_up = sub.add_parser(
         "up",
         help=f"run the local stack (router on {constants.PUBLIC_HOST}:{constants.PUBLIC_PORT} + engines)",
-        description="--host/--port/--api-key/--log-level/--max-request-body-bytes apply to the router (the public "
-        "endpoint); every other engine flag is passed to each engine.",
+        description="--host/--port are the router's (the public endpoint); the engines listen on 127.0.0.1 from "
+        "--engine-base-port, and --num-threads is shared evenly by them. Every other engine flag is passed to each "
+        "engine (when it differs from the engine's default), --api-key, --log-level and --max-request-body-bytes "
+        "included: those three apply to the router too (which calls the engines with that same --api-key).",
     )
     add_engine_args(p_up)
     p_up.add_argument("--engines", type=int, default=2, help="engine processes behind the router (default 2)")
