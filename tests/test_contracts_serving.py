@@ -12,6 +12,7 @@ import textwrap
 import time
 
 import httpx
+import pytest
 
 from radixserve.contracts.serving import ACCESS_LOGGER, ProbeAccessFilter
 from radixserve.contracts.sse import SSE_DONE, sse, sse_error
@@ -108,3 +109,83 @@ def test_serve_calls_on_exit_on_sigint_and_keeps_probes_out_of_the_log() -> None
     assert "ON_EXIT" in out
     assert '"GET /work HTTP/1.1" 200' in out  # uvicorn's access log goes to stdout
     assert "/health" not in out + err
+
+
+FORCED_SERVER = textwrap.dedent(
+    """
+    import contextlib, logging, os, signal, sys
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from radixserve.contracts.serving import serve
+
+    hang = sys.argv[2] == "hang"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            print("CLEANUP STARTED", flush=True)
+            if hang:
+                import asyncio
+                await asyncio.sleep(60)
+            print("CLEANUP DONE", flush=True)
+
+    async def ok(request):
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/health", ok)], lifespan=lifespan)
+    signals = []
+
+    def on_exit():
+        signals.append(1)
+        if len(signals) == 1:  # Ctrl-C twice: the second SIGINT before uvicorn begins its shutdown
+            os.kill(os.getpid(), signal.SIGINT)
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    try:
+        serve(app, "127.0.0.1", int(sys.argv[1]), "info", on_exit=on_exit, forced_shutdown_s=0.5)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["quick", "hang"])
+def test_second_sigint_exits_at_once_without_a_traceback_and_runs_the_lifespan_shutdown(mode: str) -> None:
+    # Regression: a second Ctrl-C made uvicorn skip the lifespan shutdown; asyncio.run then cancelled the lifespan
+    # task and Starlette's "lifespan.shutdown.failed" CancelledError traceback was logged (the app's cleanup cut).
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORCED_SERVER, str(port), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+                time.sleep(0.1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    assert "CLEANUP STARTED" in out  # the app's shutdown ran despite the forced exit
+    if mode == "quick":
+        assert "CLEANUP DONE" in out and "cut short" not in err
+        assert elapsed < 5
+    else:  # a shutdown that hangs is cut after forced_shutdown_s, quietly
+        assert "CLEANUP DONE" not in out and "application shutdown cut short after 0.5 s" in err
+        assert elapsed < 10

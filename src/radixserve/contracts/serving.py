@@ -3,6 +3,7 @@ probe requests kept out of the INFO access log, and the open-files limit raised 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Collection
 from typing import Any
@@ -10,6 +11,10 @@ from typing import Any
 logger = logging.getLogger("radixserve.serving")
 
 ACCESS_LOGGER = "uvicorn.access"
+ERROR_LOGGER = "uvicorn.error"
+
+# Seconds the app's lifespan shutdown may take after a forced exit (a second Ctrl-C) before the process goes anyway.
+FORCED_SHUTDOWN_S = 3.0
 
 
 class ProbeAccessFilter(logging.Filter):
@@ -27,6 +32,23 @@ class ProbeAccessFilter(logging.Filter):
             return True
         path = args[2].partition("?")[0]
         return path not in self.probe_paths or logging.getLogger(ACCESS_LOGGER).isEnabledFor(logging.DEBUG)
+
+
+class ForcedExitFilter(logging.Filter):
+    """Drops the traceback of a lifespan cancelled by a forced exit: once ``forced()`` is true, an ERROR record whose
+    message is a traceback ending in ``CancelledError`` (Starlette's ``lifespan.shutdown.failed`` message, which
+    uvicorn logs) says only that the second Ctrl-C cut the shutdown short, which ``serve`` logs in one line."""
+
+    def __init__(self, forced: Callable[[], bool]):
+        super().__init__()
+        self.forced = forced
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not isinstance(record.msg, str) or not self.forced():
+            return True
+        text = record.msg.rstrip()
+        last = text.rpartition("\n")[2]
+        return not (text.startswith("Traceback") and last.split(":")[0].endswith("CancelledError"))
 
 
 def raise_open_files_limit() -> None:
@@ -54,6 +76,7 @@ def serve(
     on_exit: Callable[[], None] | None = None,
     access_log: bool = True,
     probe_paths: Collection[str] = (),
+    forced_shutdown_s: float = FORCED_SHUTDOWN_S,
     **config: Any,
 ) -> int:
     """Serve ``app`` with uvicorn on ``host:port`` until SIGINT/SIGTERM; returns the exit status (0 once it served,
@@ -64,6 +87,11 @@ def serve(
     the engine and the router end requests in flight there with a clean 503 / SSE error event instead of letting the
     graceful timeout cut them. ``probe_paths`` are kept out of the access log below DEBUG (``ProbeAccessFilter``).
     ``config``: further ``uvicorn.Config`` keywords (``backlog``, ``timeout_graceful_shutdown``, ...).
+
+    A second SIGINT (Ctrl-C twice) forces the exit: uvicorn stops waiting for connections and tasks and skips the
+    app's lifespan shutdown, so ``asyncio.run`` would cancel the lifespan task and Starlette log that CancelledError
+    as a failed shutdown (regression: a 12-line traceback, the router's cleanup cut). Here the lifespan shutdown
+    still runs, for at most ``forced_shutdown_s`` seconds; if it takes longer it is cancelled without a traceback.
     """
     import uvicorn
 
@@ -79,9 +107,23 @@ def serve(
                 on_exit()
             super().handle_exit(sig, frame)
 
+        async def shutdown(self, sockets: Any = None) -> None:
+            await super().shutdown(sockets)
+            done = getattr(self.lifespan, "shutdown_event", None)  # LifespanOn's; None with lifespan "off"
+            if not self.force_exit or done is None or done.is_set():
+                return
+            try:
+                await asyncio.wait_for(self.lifespan.shutdown(), forced_shutdown_s)
+            except TimeoutError:
+                logger.warning("forced exit: application shutdown cut short after %g s", forced_shutdown_s)
+
     server = Server(uconfig)
+    forced_filter = ForcedExitFilter(lambda: server.force_exit)
+    error_log = logging.getLogger(ERROR_LOGGER)
+    error_log.addFilter(forced_filter)
     try:
         server.run()
     finally:
         access.removeFilter(probe_filter)
+        error_log.removeFilter(forced_filter)
     return 0 if server.started else 1
