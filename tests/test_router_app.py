@@ -316,6 +316,48 @@ def test_no_routable_worker_503():
             client.chat.completions.create(model=MODEL, messages=MSGS)
 
 
+def count_probes(engine: FakeEngine) -> list[float]:
+    """Record the time of every ``/health`` probe ``engine`` answers (its only caller of ``is_healthy`` when idle)."""
+    calls: list[float] = []
+    real = engine.is_healthy
+
+    def is_healthy() -> bool:
+        calls.append(time.monotonic())
+        return real()
+
+    engine.is_healthy = is_healthy  # type: ignore[method-assign]
+    return calls
+
+
+def test_pending_worker_probed_often_until_admitted_then_at_the_health_interval(tok):
+    # Regression: an engine still loading was probed only every health_interval_s (5 s), so the stack's ready line
+    # came up to 5 s after its engines could serve.
+    with engines(tok, 1) as (fakes, urls):
+        fakes[0].healthy = False  # still loading
+        calls = count_probes(fakes[0])
+        with router(urls, wait_for=0, health_interval_s=30, pending_probe_interval_s=0.1) as r:
+            assert wait_until(lambda: len(calls) >= 5, 10)  # every 0.1 s while pending, not every 30 s
+            assert health(r)["workers"][0]["state"] == "pending"
+            fakes[0].healthy = True
+            t0 = time.monotonic()
+            assert wait_until(lambda: health(r)["routable_workers"] == 1, 10)
+            assert time.monotonic() - t0 < 2
+            admitted = len(calls)
+            time.sleep(1.0)
+            assert len(calls) == admitted  # admitted: back to the 30 s interval
+
+
+def test_ejected_worker_keeps_the_health_interval(tok):
+    with engines(tok, 1) as (fakes, urls):
+        calls = count_probes(fakes[0])
+        with router(urls, health_interval_s=1.0, pending_probe_interval_s=0.05, eject_after_failures=1) as r:
+            fakes[0].healthy = False
+            assert wait_until(lambda: health(r)["workers"][0]["state"] == "open", 10)
+            ejected = len(calls)
+            time.sleep(2.2)
+            assert 1 <= len(calls) - ejected <= 3  # about one a second, not twenty
+
+
 # ------------------------------------------------------------------------------------------------ retries, breaker
 
 

@@ -43,6 +43,7 @@ def test_flags_map_to_fields():
         (("--worker-urls", "http://a:1", "--load-factor", "0.5"), "--load-factor"),
         (("--worker-urls", "http://a:1", "--block-tokens", "0"), "--block-tokens"),
         (("--worker-urls", "http://a:1", "--connect-timeout-s", "0"), "--connect-timeout-s"),
+        (("--worker-urls", "http://a:1", "--pending-probe-interval-s", "0"), "--pending-probe-interval-s"),
     ],
 )
 def test_invalid_settings_name_the_flag(argv, needle):

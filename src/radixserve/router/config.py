@@ -46,6 +46,7 @@ class RouterArgs:
     request_timeout_s: float = 600.0  # the longest wait for the next byte from an engine
     max_retries: int = 2  # extra attempts on connect errors / 503 before the first byte
     health_interval_s: float = 5.0
+    pending_probe_interval_s: float = 0.5  # probe a worker not admitted yet (still loading) this often
     eject_after_failures: int = 3
     readmit_after_s: float = 10.0
     api_key: str | None = None  # clients must send "Authorization: Bearer <api_key>"
@@ -88,6 +89,7 @@ class RouterArgs:
             "connect_timeout_s",
             "request_timeout_s",
             "health_interval_s",
+            "pending_probe_interval_s",
             "discovery_relist_s",
             "discovery_stale_s",
         ):

@@ -2,7 +2,8 @@
 
 ``WorkerPool`` keeps one ``WorkerState`` per engine URL. ``sync(endpoints)`` applies what discovery found: new workers
 start ``pending`` until their ``/health`` and ``/v1/models`` answer; removed workers are forgotten by the routing
-policy. An active probe task GETs every worker's ``/health`` each ``health_interval_s``. A per-worker circuit breaker
+policy. An active probe task GETs every worker's ``/health`` each ``health_interval_s`` (a pending one, still loading,
+each ``pending_probe_interval_s``, so it is admitted soon after it can serve). A per-worker circuit breaker
 (Nygard, *Release It!*; as in Envoy's outlier detection) ejects a worker (``open``) after ``eject_after_failures``
 consecutive failures — failed probes, or proxied requests that could not connect or got a 5xx before the first byte —
 turns ``half-open`` (routable again, on trial) on the first successful probe after ``readmit_after_s`` and closes on
@@ -248,18 +249,32 @@ class WorkerPool:
 
     async def _probe_loop(self) -> None:
         # Each worker's probe runs on its own: a frozen engine (probes timing out) must not delay the probes, and so
-        # the ejection or re-admission, of the others (regression: one round waited for the slowest probe).
+        # the ejection or re-admission, of the others (regression: one round waited for the slowest probe). A probe
+        # starts once the last one of that worker has ended and its interval has passed since that one started:
+        # ``health_interval_s``, or ``pending_probe_interval_s`` for a pending worker (regression: the stack's
+        # ready line came up to 5 s after its engines could serve). Ejected workers keep the normal interval.
         probing: dict[str, asyncio.Task[None]] = {}
+        started: dict[str, float] = {}  # monotonic seconds the worker's last probe started
+        pending_s = min(self.args.pending_probe_interval_s, self.args.health_interval_s)
         while True:
+            now = time.monotonic()
+            wake = now + pending_s  # at least this often: newcomers and probes that ended late are seen soon
             for w in list(self.workers.values()):
                 task = probing.get(w.url)
-                if task is None or task.done():
+                if task is not None and not task.done():
+                    continue
+                due = started.get(w.url, now) + (pending_s if w.state == "pending" else self.args.health_interval_s)
+                if w.url not in started or now >= due:
+                    started[w.url] = now
                     task = probing[w.url] = asyncio.get_running_loop().create_task(self._probe(w))
                     self._pending_probes.add(task)
                     task.add_done_callback(self._pending_probes.discard)
+                else:
+                    wake = min(wake, due)
             for url in [u for u, t in probing.items() if t.done() and u not in self.workers]:
                 del probing[url]
-            await asyncio.sleep(self.args.health_interval_s)
+                started.pop(url, None)
+            await asyncio.sleep(max(0.0, wake - time.monotonic()))
 
     async def probe_now(self) -> None:
         """Probe every worker once (tests and operators)."""
