@@ -1,9 +1,11 @@
 """``radixserve up``: the local stack — the router on 127.0.0.1:8000 in front of N engine processes on 30000, 30001...
 
-Each engine is a child process (``python -m radixserve engine``) with its share of the CPU threads; the router runs in
-this process with static discovery of the engines' URLs. A supervisor thread restarts an engine that exits on its own
-(back-off 1 s doubling to 30 s), so killing one is a fault the router rides out (ejection, then re-admission), not the
-end of the stack. Ctrl-C / SIGTERM stops the router, then the engines (SIGTERM, then SIGKILL after a grace period).
+Each engine is a child process (``python -m radixserve engine``) with its share of the CPU threads and its progress
+bars off (two engines' bars would interleave on one terminal line); the router runs in this process with static
+discovery of the engines' URLs. A supervisor thread restarts an engine that exits on its own (back-off 1 s doubling to
+30 s, back to 1 s once an engine had stayed up 60 s), so killing one is a fault the router rides out (ejection, then
+re-admission), not the end of the stack. Ctrl-C / SIGTERM stops the router, then the engines (SIGTERM, then SIGKILL
+after a grace period; a second Ctrl-C kills them at once).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -26,6 +29,16 @@ logger = logging.getLogger("radixserve.up")
 
 # Engine fields the stack sets per process; every other non-default engine flag is forwarded as given.
 _PER_ENGINE_FIELDS = frozenset({"host", "port", "num_threads"})
+
+# Environment of the engine children, unless set already: no progress bars (tqdm's own, huggingface_hub's, and
+# transformers', which follow huggingface_hub's). Regression: the "Loading weights" bars of two engines interleaved
+# on one terminal line and a supervisor warning got glued onto one. A standalone ``radixserve engine`` keeps them.
+ENGINE_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def engine_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for an engine child: ``base`` (default: this process's) with ``ENGINE_ENV`` where unset."""
+    return {**ENGINE_ENV, **(os.environ if base is None else base)}
 
 
 def engine_argv(args: EngineArgs, port: int, num_threads: int) -> list[str]:
@@ -99,13 +112,34 @@ def _die_with_parent() -> None:
 class EngineSupervisor:
     """Starts the engine children and restarts any that exit while the stack runs.
 
-    ``argvs[i]`` is engine i's command line. ``stop()`` sends SIGTERM to all, waits ``grace_s`` seconds, then kills.
+    ``argvs[i]`` is engine i's command line, ``env`` the children's environment (default ``engine_env()``). An engine
+    that exits is restarted after ``backoff_s``, doubling with each exit up to ``max_backoff_s``; an engine that had
+    stayed up ``reset_after_s`` seconds before it exited starts over at ``backoff_s`` (regression: the back-off never
+    reset, so after five crashes at any time every later one waited 30 s). ``poll_s``: how often exits are checked.
+    ``stop()`` sends SIGTERM to all, waits ``grace_s`` seconds, then kills.
     """
 
-    def __init__(self, argvs: list[list[str]], grace_s: float = 15.0):
+    def __init__(
+        self,
+        argvs: list[list[str]],
+        grace_s: float = 15.0,
+        *,
+        env: Mapping[str, str] | None = None,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        reset_after_s: float = 60.0,
+        poll_s: float = 0.5,
+    ):
         self.argvs = argvs
         self.grace_s = grace_s
+        self.env = engine_env() if env is None else dict(env)
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.reset_after_s = reset_after_s
+        self.poll_s = poll_s
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(argvs)
+        self.backoff = [backoff_s] * len(argvs)  # engine i's next restart delay
+        self._started_at = [0.0] * len(argvs)  # monotonic seconds when engine i's process was started
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="radixserve-supervisor", daemon=True)
 
@@ -116,36 +150,63 @@ class EngineSupervisor:
 
     def _spawn(self, i: int) -> None:
         # Own process group: a terminal's Ctrl-C reaches only this process, which then stops the engines in order.
-        proc = subprocess.Popen(self.argvs[i], start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(self.argvs[i], start_new_session=True, preexec_fn=_die_with_parent, env=self.env)
         self.procs[i] = proc
+        self._started_at[i] = time.monotonic()
         logger.info("engine %d started (pid %d): %s", i, proc.pid, " ".join(self.argvs[i][2:]))
 
     def _watch(self) -> None:
-        backoff = [1.0] * len(self.argvs)
-        while not self._stopping.wait(0.5):
+        # Each engine's restart is scheduled on its own, so one engine's long back-off delays neither the restart nor
+        # the exit time (and so the back-off reset) of another.
+        restart_at: list[float | None] = [None] * len(self.argvs)
+        while not self._stopping.wait(self.poll_s):
+            now = time.monotonic()
             for i, proc in enumerate(self.procs):
                 if proc is None or proc.poll() is None:
                     continue
-                logger.warning("engine %d exited with status %s; restarting in %.0f s", i, proc.returncode, backoff[i])
-                if self._stopping.wait(backoff[i]):
-                    return
-                backoff[i] = min(backoff[i] * 2, 30.0)
-                self._spawn(i)
+                due = restart_at[i]
+                if due is None:
+                    if now - self._started_at[i] >= self.reset_after_s:
+                        self.backoff[i] = self.backoff_s  # it had stayed up: a new fault, not a crash loop
+                    delay = self.backoff[i]
+                    logger.warning("engine %d exited with status %s; restarting in %g s", i, proc.returncode, delay)
+                    restart_at[i] = now + delay
+                    self.backoff[i] = min(delay * 2, self.max_backoff_s)
+                elif now >= due and not self._stopping.is_set():
+                    restart_at[i] = None
+                    self._spawn(i)
 
     def stop(self) -> None:
+        """Stop the engines: SIGTERM, then SIGKILL after ``grace_s``. A KeyboardInterrupt meanwhile (Ctrl-C again)
+        kills the engines still running at once, waits for them, and propagates."""
         self._stopping.set()
-        if self._thread.is_alive():
+        try:
+            if self._thread.is_alive():
+                self._thread.join(timeout=5)
+            live = [p for p in self.procs if p is not None and p.poll() is None]
+            for p in live:
+                p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s
+            for p in live:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("engine pid %d did not stop in %.0f s; killing it", p.pid, self.grace_s)
+                    p.kill()
+                    p.wait()
+        except KeyboardInterrupt:
+            logger.warning("interrupted again: killing the engines")
+            self._kill_all()
+            raise
+
+    def _kill_all(self) -> None:
+        if self._thread.is_alive():  # a restart under way must not leave an engine behind
             self._thread.join(timeout=5)
-        live = [p for p in self.procs if p is not None and p.poll() is None]
-        for p in live:
-            p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        for p in live:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("engine pid %d did not stop in %.0f s; killing it", p.pid, self.grace_s)
+        for p in self.procs:
+            if p is not None and p.poll() is None:
                 p.kill()
+        for p in self.procs:
+            if p is not None:
                 p.wait()
 
 

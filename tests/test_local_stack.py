@@ -1,0 +1,146 @@
+"""``radixserve up``'s engine supervisor (launch/local_stack.py) with stand-in child processes: restart back-off and
+its reset, the children's environment, and stopping."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from radixserve.launch.local_stack import ENGINE_ENV, EngineSupervisor, engine_env
+
+EXITS_AT_ONCE = [sys.executable, "-c", "import sys; sys.exit(1)"]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def restart_delays(caplog: pytest.LogCaptureFixture) -> list[float]:
+    """The delays of the supervisor's "engine 0 exited ...; restarting in D s" warnings, in order."""
+    return [
+        float(r.args[2])  # type: ignore[index]
+        for r in caplog.records
+        if r.name == "radixserve.up" and r.getMessage().startswith("engine 0 exited")
+    ]
+
+
+def test_restart_back_off_doubles_up_to_its_cap(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="radixserve.up")
+    sup = EngineSupervisor([EXITS_AT_ONCE], backoff_s=0.05, max_backoff_s=0.2, reset_after_s=30.0, poll_s=0.02)
+    sup.start()
+    try:
+        assert wait_until(lambda: len(restart_delays(caplog)) >= 5, 30)
+    finally:
+        sup.stop()
+    assert restart_delays(caplog)[:5] == [0.05, 0.1, 0.2, 0.2, 0.2]
+
+
+def test_restart_back_off_resets_once_an_engine_stayed_up(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Regression: the back-off only ever doubled, so after five crashes at any time in the stack's life every later
+    # crash waited 30 s. Runs 1-3 exit at once; run 4 stays up longer than reset_after_s, then exits; so do later ones.
+    caplog.set_level(logging.INFO, logger="radixserve.up")
+    counter = tmp_path / "runs"
+    script = (
+        "import pathlib, sys, time\n"
+        "p = pathlib.Path(sys.argv[1]); n = int(p.read_text() or 0) + 1 if p.exists() else 1; p.write_text(str(n))\n"
+        "time.sleep(1.2 if n >= 4 else 0)\n"
+        "sys.exit(1)\n"
+    )
+    argv = [sys.executable, "-c", script, str(counter)]
+    sup = EngineSupervisor([argv], backoff_s=0.05, max_backoff_s=0.4, reset_after_s=0.8, poll_s=0.02)
+    sup.start()
+    try:
+        assert wait_until(lambda: len(restart_delays(caplog)) >= 5, 60)
+    finally:
+        sup.stop()
+    delays = restart_delays(caplog)
+    assert delays[:3] == [0.05, 0.1, 0.2]  # a crash loop backs off...
+    assert delays[3:5] == [0.05, 0.05]  # ...an engine that had stayed up starts over, each time
+
+
+def test_engine_children_get_progress_bars_off_and_keep_the_rest_of_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RADIXSERVE_TEST_MARK", "kept")
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # a user's own setting wins
+    out = tmp_path / "env"
+    script = (
+        "import os, sys\n"
+        "keys = ('TQDM_DISABLE', 'HF_HUB_DISABLE_PROGRESS_BARS', 'RADIXSERVE_TEST_MARK')\n"
+        "open(sys.argv[1], 'w').write(' '.join(f'{k}={os.environ.get(k)}' for k in keys))\n"
+        "import time; time.sleep(30)\n"
+    )
+    sup = EngineSupervisor([[sys.executable, "-c", script, str(out)]], grace_s=5)
+    sup.start()
+    try:
+        assert wait_until(lambda: out.exists() and out.read_text(), 30)
+    finally:
+        sup.stop()
+    assert out.read_text() == "TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=0 RADIXSERVE_TEST_MARK=kept"
+    assert "TQDM_DISABLE" not in os.environ  # this process (and a standalone engine) keeps its progress bars
+    assert engine_env({}) == ENGINE_ENV
+
+
+def test_progress_bars_are_silent_under_the_engine_environment() -> None:
+    # What the engines' "Loading weights" bar (transformers' tqdm) and huggingface_hub's bars honour.
+    import subprocess
+
+    code = (
+        "from tqdm import tqdm\n"
+        "from huggingface_hub.utils import tqdm as hf_tqdm\n"
+        "from transformers.utils.logging import tqdm as tf_tqdm\n"
+        "for bar in (tqdm, hf_tqdm, tf_tqdm):\n"
+        "    list(bar(range(3), desc='Loading weights'))\n"
+    )
+    quiet = subprocess.run([sys.executable, "-c", code], env=engine_env(), capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Loading weights" not in quiet.stderr + quiet.stdout
+    env = {k: v for k, v in os.environ.items() if k not in ENGINE_ENV}
+    loud = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert loud.stderr.count("Loading weights") >= 3  # without it every bar shows (so the check above means something)
+
+
+def test_a_second_interrupt_while_stopping_kills_the_engines_at_once(tmp_path: Path) -> None:
+    # An engine that ignores SIGTERM would hold stop() for grace_s; Ctrl-C again (a KeyboardInterrupt) kills it.
+    ready = tmp_path / "ready"
+    script = (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "pathlib.Path(sys.argv[1]).write_text('x')\n"
+        "time.sleep(60)\n"
+    )
+    sup = EngineSupervisor([[sys.executable, "-c", script, str(ready)]], grace_s=30)
+    sup.start()
+    assert wait_until(ready.exists, 30)
+    proc = sup.procs[0]
+    assert proc is not None
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sup.stop()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == -signal.SIGKILL
