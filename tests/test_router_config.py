@@ -39,7 +39,6 @@ def test_flags_map_to_fields():
         (("--worker-urls", "127.0.0.1:30000"), "http://"),
         (("--worker-urls", "http://a:1", "--service-discovery"), "not both"),
         (("--service-discovery",), "--service-name"),
-        (("--worker-urls", "http://a:1", "--policy", "magic"), "--policy"),
         (("--worker-urls", "http://a:1", "--load-factor", "0.5"), "--load-factor"),
         (("--worker-urls", "http://a:1", "--block-tokens", "0"), "--block-tokens"),
         (("--worker-urls", "http://a:1", "--connect-timeout-s", "0"), "--connect-timeout-s"),
@@ -49,6 +48,48 @@ def test_flags_map_to_fields():
 def test_invalid_settings_name_the_flag(argv, needle):
     with pytest.raises(RouterConfigError, match=needle.replace("-", r"\-")):
         parse(*argv)
+
+
+def test_policy_outside_the_registry_names_the_flag():
+    with pytest.raises(RouterConfigError, match=r"\-\-policy 'magic'"):
+        RouterArgs(worker_urls=["http://a:1"], policy="magic").validate()
+
+
+@pytest.mark.parametrize(
+    "flag, choices",
+    [
+        ("--policy", ("prefix_hash", "least_load", "round_robin", "power_of_two")),
+        ("--upstream-transport", ("aiohttp", "httpx")),
+        ("--log-level", ("debug", "info", "warning", "error", "critical")),
+    ],
+)
+def test_closed_flags_use_argparse_choices(flag, choices, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("--worker-urls", "http://a:1", flag, "magic")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "invalid choice: 'magic'" in err
+    assert all(repr(c) in err for c in choices)
+
+
+def test_every_router_flag_has_help_with_its_default():
+    # Regression: `radixserve router --help` listed most flags bare, and --policy without its choices.
+    import dataclasses
+
+    from radixserve.router.policy import POLICIES
+
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    by_dest = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert set(by_dest) == {f.name for f in dataclasses.fields(RouterArgs)}
+    for name, action in by_dest.items():
+        assert (action.help or "").strip(), f"{name} has no help"
+        assert "\n" not in action.help, name
+        if action.default not in (None, False, []):
+            assert "%(default)s" in action.help, f"{name} does not show its default"
+    assert tuple(by_dest["policy"].choices) == tuple(POLICIES)
+    text = parser.format_help()
+    assert "{" + ",".join(POLICIES) + "}" in text and "(default: prefix_hash)" in text
 
 
 def test_service_discovery_flags():

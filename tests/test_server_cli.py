@@ -104,8 +104,116 @@ def test_missing_subcommand_is_a_usage_error():
 
 def test_bad_log_level_is_a_usage_error_not_a_traceback(capsys):
     # Regression: `radixserve router --log-level loud` died with a ValueError traceback.
-    assert main(["router", "--worker-urls", "http://127.0.0.1:1", "--log-level", "loud"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["router", "--worker-urls", "http://127.0.0.1:1", "--log-level", "loud"])
+    assert e.value.code == 2
     assert "--log-level" in capsys.readouterr().err
+
+
+_ENGINE_CHOICES = {
+    "--schedule-policy": ("lpm", "fcfs"),
+    "--attention-backend": ("auto", "torch", "flashinfer"),
+    "--device": ("auto", "cpu", "cuda"),
+    "--dtype": ("auto", "float32", "bfloat16", "float16"),
+    "--log-level": ("debug", "info", "warning", "error", "critical"),
+}
+
+
+@pytest.mark.parametrize("command", ["engine", "up"])
+@pytest.mark.parametrize("flag", sorted(_ENGINE_CHOICES))
+def test_bad_engine_choice_exits_2_listing_the_choices(command, flag, capsys, monkeypatch):
+    # Regression: `radixserve engine --schedule-policy foo` started and reported healthy; the first request crashed
+    # the scheduler loop ("unknown schedule policy") and every later one was answered 503.
+    from radixserve.launch import cli
+
+    def must_not_run(*a, **k):
+        raise AssertionError("a bad flag reached the server")
+
+    monkeypatch.setattr(cli, "run_up", must_not_run)
+    with pytest.raises(SystemExit) as e:
+        main([command, flag, "foo"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "invalid choice: 'foo'" in err
+    for choice in _ENGINE_CHOICES[flag]:
+        assert repr(choice) in err
+
+
+@pytest.mark.parametrize("command", ["engine", "up"])
+def test_engine_help_lists_the_choices(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag, choices in _ENGINE_CHOICES.items():
+        assert f"{flag} {{{','.join(choices)}" in text, flag
+
+
+def test_engine_choices_match_the_code_that_uses_them():
+    from radixserve.engine.attention.base import BACKEND_NAMES
+    from radixserve.engine.config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES
+    from radixserve.engine.model.runner import _DTYPES
+    from radixserve.engine.scheduler.policy import POLICIES
+
+    assert SCHEDULE_POLICIES == POLICIES and ATTENTION_BACKENDS == BACKEND_NAMES
+    assert set(DTYPES) == {"auto", *_DTYPES}
+
+
+def test_good_engine_choices_parse_and_log_level_is_case_insensitive():
+    from radixserve.engine.config import engine_args_from_namespace
+
+    argv = ["engine", "--schedule-policy", "fcfs", "--attention-backend", "torch", "--device", "cpu"]
+    ns = build_parser().parse_args([*argv, "--dtype", "bf16", "--log-level", "WARNING"])
+    args = engine_args_from_namespace(ns)
+    assert (args.schedule_policy, args.attention_backend, args.device) == ("fcfs", "torch", "cpu")
+    assert (args.dtype, args.log_level) == ("bf16", "warning")
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--port", "70000"),
+        ("--port", "-1"),
+        ("--context-length", "0"),
+        ("--max-total-tokens", "0"),
+        ("--max-running-requests", "0"),
+        ("--max-queued-requests", "0"),
+        ("--max-prefill-tokens", "-5"),
+        ("--chunked-prefill-size", "0"),
+        ("--num-threads", "0"),
+        ("--stream-interval", "0"),
+        ("--max-request-body-bytes", "0"),
+        ("--default-chat-max-tokens", "0"),
+    ],
+)
+@pytest.mark.parametrize("command", ["engine", "up"])
+def test_out_of_range_engine_numbers_exit_2_naming_the_flag(command, flag, value, capsys, monkeypatch):
+    from radixserve.launch import cli
+
+    def must_not_run(*a, **k):
+        raise AssertionError("a bad flag reached the server")
+
+    monkeypatch.setattr(cli, "run_up", must_not_run)
+    assert main([command, flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"radixserve {command}: {flag}") and value in err
+
+
+def test_engine_args_defaults_are_valid():
+    from radixserve.engine.config import EngineArgs, validate_engine_args
+
+    validate_engine_args(EngineArgs())
+    with pytest.raises(ValueError, match="--schedule-policy 'foo'"):
+        validate_engine_args(EngineArgs(schedule_policy="foo"))
+
+
+def test_version(capsys):
+    import radixserve
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"radixserve {radixserve.__version__}\n"
 
 
 def test_up_refuses_busy_or_clashing_ports():

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.contracts import constants
+from radixserve.engine.scheduler.policy import POLICIES as SCHEDULE_POLICIES
+
+# Closed value sets of engine flags (argparse ``choices``). Kept here, free of torch, so ``--help`` and the parser
+# load nothing heavy; the modules that act on them use or are checked against these (attention/base.py takes
+# ATTENTION_BACKENDS as its BACKEND_NAMES; model/runner.py's _DTYPES holds every name in DTYPES but "auto").
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half")
+DEVICES = ("auto", "cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass
@@ -62,8 +72,29 @@ class EngineArgs:
     reasoning_parser: str | None = None
 
 
-# Flags with a fixed set of values (checked by argparse).
-_CHOICES = {"reasoning_parser": ["think"]}
+# Flags with a fixed set of values (checked by argparse, listed by --help).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": DTYPES,
+    "device": DEVICES,
+    "schedule_policy": SCHEDULE_POLICIES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "log_level": LOG_LEVELS,
+    "reasoning_parser": ("think",),
+}
+# Integer flags and their least valid value; None (where the field allows it) keeps its documented default.
+_MIN_INT = {
+    "port": 0,
+    "context_length": 1,
+    "max_total_tokens": 1,
+    "max_running_requests": 1,
+    "max_queued_requests": 1,
+    "max_prefill_tokens": 1,
+    "chunked_prefill_size": 1,
+    "num_threads": 1,
+    "stream_interval": 1,
+    "max_request_body_bytes": 1,
+    "default_chat_max_tokens": 1,
+}
 
 # One line of ``--help`` per EngineArgs field (argparse appends the default); a test checks every field has one.
 HELP: dict[str, str] = {
@@ -72,22 +103,22 @@ HELP: dict[str, str] = {
     "served_model_name": "model name in the OpenAI API (default: the model directory's name)",
     "host": "address to listen on",
     "port": "port to listen on",
-    "dtype": "weight and activation dtype: auto, float32, bfloat16 or float16",
-    "device": "device: auto, cpu or cuda",
+    "dtype": "weight and activation dtype (fp32, bf16, fp16 and half are aliases)",
+    "device": "device (auto: cuda when available, else cpu)",
     "context_length": "longest prompt + completion in tokens (default: the model's max_position_embeddings)",
     "max_total_tokens": "KV cache pool size in tokens (default: from the memory budget)",
     "max_running_requests": "most requests decoded in one batch",
     "max_queued_requests": "most requests waiting; more are answered 429",
     "max_prefill_tokens": "most prompt tokens prefilled in one forward pass",
     "chunked_prefill_size": "prompt tokens per chunk of a long prefill",
-    "schedule_policy": "waiting-queue order: lpm (longest prefix match first) or fcfs",
+    "schedule_policy": "waiting-queue order: lpm (longest prefix match first) or fcfs (arrival order)",
     "disable_radix_cache": "do not reuse cached prompt prefixes (the radix tree)",
-    "attention_backend": "attention kernels: auto, torch or flashinfer",
+    "attention_backend": "attention kernels (auto: flashinfer on CUDA when it imports, else torch)",
     "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
     "stream_interval": "tokens between streamed chunks",
     "max_request_body_bytes": "largest request body in bytes; larger ones are answered 413",
     "api_key": "require 'Authorization: Bearer KEY' on every request but health probes and metrics",
-    "log_level": "log level: debug, info, warning or error",
+    "log_level": "log level (case-insensitive)",
     "warmup": "run a warmup forward pass before serving (--no-warmup: skip it)",
     "preferred_sampling_params": "JSON object of sampling defaults for fields a request leaves unset, "
     "e.g. '{\"temperature\": 0.2}'",
@@ -115,10 +146,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             action = argparse.BooleanOptionalAction if f.default else "store_true"
             parser.add_argument(flag, action=action, default=f.default, help=HELP[f.name])
         else:
-            typ = int if "int" in str(f.type) else str
-            parser.add_argument(flag, type=typ, default=f.default, choices=_CHOICES.get(f.name), help=help_text)
+            typ: Callable[[str], object] = int if "int" in str(f.type) else str
+            if f.name == "log_level":
+                typ = str.lower  # --log-level INFO is info
+            parser.add_argument(flag, type=typ, default=f.default, choices=CHOICES.get(f.name), help=help_text)
+
+
+def validate_engine_args(args: EngineArgs) -> None:
+    """Raise ``ValueError`` naming the flag for a value no engine can run with (a value outside a flag's choices,
+    or an integer below its least valid value). ``EngineArgs()`` passes."""
+    for name, choices in CHOICES.items():
+        value = getattr(args, name)
+        if value is not None and value not in choices:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value!r} is not one of {', '.join(choices)}")
+    for name, least in _MIN_INT.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    if args.port > 65535:
+        raise ValueError(f"--port {args.port} is not a TCP port")
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
-    """Build ``EngineArgs`` from parsed flags."""
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    """Build and check ``EngineArgs`` from parsed flags. Raises ``ValueError`` naming the flag at fault."""
+    args = EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    validate_engine_args(args)
+    return args

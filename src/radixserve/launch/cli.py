@@ -45,9 +45,11 @@ def resolve_model_paths(args: EngineArgs) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from radixserve import __version__
     from radixserve.engine.config import add_engine_args
 
     parser = argparse.ArgumentParser(prog="radixserve", description="SGLang-style LLM serving")
+    parser.add_argument("--version", action="version", version=f"radixserve {__version__}")
     from radixserve.router.config import add_router_args
     from radixserve.router.policy import POLICIES
 

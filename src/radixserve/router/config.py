@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from radixserve.contracts import constants
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+UPSTREAM_TRANSPORTS = ("aiohttp", "httpx")
+
 
 class RouterConfigError(ValueError):
     """An invalid router setting; the message names the flag."""
@@ -99,7 +102,7 @@ class RouterArgs:
             raise RouterConfigError(f"--readmit-after-s must be >= 0, got {self.readmit_after_s}")
         if self.max_retries < 0:
             raise RouterConfigError(f"--max-retries must be >= 0, got {self.max_retries}")
-        if self.upstream_transport not in ("aiohttp", "httpx"):
+        if self.upstream_transport not in UPSTREAM_TRANSPORTS:
             raise RouterConfigError(f"--upstream-transport must be aiohttp or httpx, got {self.upstream_transport!r}")
         if self.balance_abs_tokens < 0:
             raise RouterConfigError(f"--balance-abs-tokens must be >= 0, got {self.balance_abs_tokens}")
@@ -115,28 +118,81 @@ class RouterArgs:
             raise RouterConfigError(f"--policy {self.policy!r} is not one of {', '.join(sorted(POLICIES))}")
 
 
+# One line of ``--help`` per RouterArgs field (argparse appends the default where there is one); a test checks every
+# field has one.
+HELP: dict[str, str] = {
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "worker_urls": "engine base URLs, e.g. http://127.0.0.1:30000 http://127.0.0.1:30001",
+    "service_discovery": "find the engines from Kubernetes EndpointSlices instead of --worker-urls",
+    "namespace": "namespace of --service-name (default: the pod's own namespace, else 'default')",
+    "service_name": "with --service-discovery: the engines' Service",
+    "all_inference_services": "with --service-discovery: every Service labelled radixserve.io/inference-service",
+    "policy": "routing policy",
+    "block_tokens": "tokens per prefix block (with the model's tokenizer)",
+    "block_chars": "characters per prefix block (without a tokenizer)",
+    "prefix_blocks": "the routing key hashes the first K prefix blocks",
+    "load_factor": "bounded load: a worker may take up to this times the mean load",
+    "upstream_transport": "HTTP client to the engines",
+    "balance_abs_tokens": "bounded load: a worker is over the cap only once it also carries this many more tokens in "
+    "flight than the least loaded one",
+    "virtual_nodes": "hash-ring points per worker",
+    "default_max_tokens": "cost estimate (tokens) of a request that sets no max tokens",
+    "connect_timeout_s": "seconds to connect to an engine",
+    "request_timeout_s": "longest wait in seconds for the next byte from an engine",
+    "max_retries": "extra attempts on connect errors / 503 before the first byte",
+    "health_interval_s": "seconds between health probes of each worker",
+    "pending_probe_interval_s": "seconds between probes of a worker not admitted yet (still loading)",
+    "eject_after_failures": "consecutive failures that eject a worker",
+    "readmit_after_s": "seconds before an ejected worker is probed for readmission",
+    "api_key": "require 'Authorization: Bearer KEY' from clients (default: none)",
+    "engine_api_key": "API key sent to the engines (their --api-key; default: none)",
+    "max_request_body_bytes": "largest request body in bytes; larger ones are answered 413",
+    "max_connections": "pooled connections to the engines, all together",
+    "discovery_relist_s": "seconds between full relists of the EndpointSlices",
+    "discovery_stale_s": "seconds without a discovery update before the worker list counts as stale",
+    "log_level": "log level (case-insensitive)",
+}
+
+
+def _choices(name: str) -> tuple[str, ...] | None:
+    """The closed value set of a flag, or None."""
+    if name == "log_level":
+        return LOG_LEVELS
+    if name == "upstream_transport":
+        return UPSTREAM_TRANSPORTS
+    if name == "policy":
+        try:
+            from radixserve.router.policy import POLICIES
+        except ImportError:  # the policy package is not there: validate() skips the check too
+            return None
+        return tuple(POLICIES)
+    return None
+
+
 def add_router_args(parser: argparse.ArgumentParser) -> None:
-    """Add every ``RouterArgs`` field as a ``--kebab-case`` flag (``--worker-urls`` takes one or more URLs)."""
+    """Add every ``RouterArgs`` field as a ``--kebab-case`` flag with its ``HELP`` line (``--worker-urls`` takes one
+    or more URLs; ``--policy``, ``--upstream-transport`` and ``--log-level`` list their choices)."""
     for f in dataclasses.fields(RouterArgs):
         flag = "--" + f.name.replace("_", "-")
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         typ = str(f.type)
+        help_text = HELP[f.name]
         if f.name == "worker_urls":
-            parser.add_argument(
-                flag,
-                nargs="+",
-                default=default,
-                metavar="URL",
-                help="engine base URLs, e.g. http://127.0.0.1:30000 http://127.0.0.1:30001",
-            )
-        elif typ == "bool":
-            parser.add_argument(flag, action="store_true", default=default)
-        elif typ.startswith("float"):
-            parser.add_argument(flag, type=float, default=default)
+            parser.add_argument(flag, nargs="+", default=default, metavar="URL", help=help_text)
+            continue
+        if typ == "bool":
+            parser.add_argument(flag, action="store_true", default=default, help=help_text)
+            continue
+        if default is not None:
+            help_text += " (default: %(default)s)"
+        if typ.startswith("float"):
+            parser.add_argument(flag, type=float, default=default, help=help_text)
         elif typ.startswith("int"):
-            parser.add_argument(flag, type=int, default=default)
+            parser.add_argument(flag, type=int, default=default, help=help_text)
         else:
-            parser.add_argument(flag, type=str, default=default)
+            kind = str.lower if f.name == "log_level" else str
+            parser.add_argument(flag, type=kind, default=default, choices=_choices(f.name), help=help_text)
 
 
 def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:

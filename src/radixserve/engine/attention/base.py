@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.engine.config import ATTENTION_BACKENDS
+
 if TYPE_CHECKING:
     from radixserve.engine.memory.kv_pool import KVPool
     from radixserve.engine.model.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "torch", "flashinfer")
+BACKEND_NAMES = ATTENTION_BACKENDS  # the --attention-backend choices
 
 
 class AttentionBackend(abc.ABC):
