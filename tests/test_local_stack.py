@@ -38,7 +38,9 @@ def restart_delays(caplog: pytest.LogCaptureFixture) -> list[float]:
 
 def test_restart_back_off_doubles_up_to_its_cap(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="radixserve.up")
-    sup = EngineSupervisor([EXITS_AT_ONCE], backoff_s=0.05, max_backoff_s=0.2, reset_after_s=30.0, poll_s=0.02)
+    sup = EngineSupervisor(
+        [EXITS_AT_ONCE], backoff_s=0.05, max_backoff_s=0.2, reset_after_s=30.0, poll_s=0.02, max_failed_starts=None
+    )
     sup.start()
     try:
         assert wait_until(lambda: len(restart_delays(caplog)) >= 5, 30)
@@ -59,7 +61,10 @@ def test_restart_back_off_resets_once_an_engine_stayed_up(tmp_path: Path, caplog
         "sys.exit(1)\n"
     )
     argv = [sys.executable, "-c", script, str(counter)]
-    sup = EngineSupervisor([argv], backoff_s=0.05, max_backoff_s=0.4, reset_after_s=0.8, poll_s=0.02)
+    # max_failed_starts=4: three failed starts in a row are not yet enough to give up, and the count starts over too.
+    sup = EngineSupervisor(
+        [argv], backoff_s=0.05, max_backoff_s=0.4, reset_after_s=0.8, poll_s=0.02, max_failed_starts=4
+    )
     sup.start()
     try:
         assert wait_until(lambda: len(restart_delays(caplog)) >= 5, 60)
@@ -68,6 +73,32 @@ def test_restart_back_off_resets_once_an_engine_stayed_up(tmp_path: Path, caplog
     delays = restart_delays(caplog)
     assert delays[:3] == [0.05, 0.1, 0.2]  # a crash loop backs off...
     assert delays[3:5] == [0.05, 0.05]  # ...an engine that had stayed up starts over, each time
+    assert sup.failure is None
+
+
+def test_an_engine_that_never_comes_up_is_given_up_after_max_failed_starts(caplog: pytest.LogCaptureFixture) -> None:
+    # Regression: `radixserve up` with an engine that could not start restarted it forever (hundreds of log lines)
+    # behind a router answering 503.
+    caplog.set_level(logging.INFO, logger="radixserve.up")
+    gave_up: list[str | None] = []
+    sup = EngineSupervisor(
+        [[sys.executable, "-c", "import sys; sys.exit(3)"]],
+        backoff_s=0.02,
+        reset_after_s=30.0,
+        poll_s=0.02,
+        max_failed_starts=3,
+        on_give_up=lambda: gave_up.append(sup.failure),
+    )
+    sup.start()
+    try:
+        assert wait_until(lambda: bool(gave_up), 30)
+        time.sleep(0.3)  # no restart after giving up
+    finally:
+        sup.stop()
+    expected = "engine 0 failed to start 3 times in a row; last exit status 3; see its output above"
+    assert gave_up == [expected] and sup.failure == expected
+    assert len(restart_delays(caplog)) == 2  # started 3 times: restarted twice, then given up
+    assert any(r.levelno == logging.ERROR and r.getMessage() == expected for r in caplog.records)
 
 
 def test_engine_children_get_progress_bars_off_and_keep_the_rest_of_the_environment(

@@ -4,8 +4,10 @@ Each engine is a child process (``python -m radixserve engine``) with its share 
 bars off (two engines' bars would interleave on one terminal line); the router runs in this process with static
 discovery of the engines' URLs. A supervisor thread restarts an engine that exits on its own (back-off 1 s doubling to
 30 s, back to 1 s once an engine had stayed up 60 s), so killing one is a fault the router rides out (ejection, then
-re-admission), not the end of the stack. Ctrl-C / SIGTERM stops the router, then the engines (SIGTERM, then SIGKILL
-after a grace period; a second Ctrl-C kills them at once).
+re-admission), not the end of the stack. An engine that never came up (it exited ``max_failed_starts`` = 3 times in a
+row within its first 60 s: a model it cannot load, a port it cannot bind) ends the stack with exit status 1 instead
+of being restarted forever behind a router answering 503. Ctrl-C / SIGTERM stops the router, then the engines
+(SIGTERM, then SIGKILL after a grace period; a second Ctrl-C kills them at once).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -116,7 +118,13 @@ class EngineSupervisor:
     that exits is restarted after ``backoff_s``, doubling with each exit up to ``max_backoff_s``; an engine that had
     stayed up ``reset_after_s`` seconds before it exited starts over at ``backoff_s`` (regression: the back-off never
     reset, so after five crashes at any time every later one waited 30 s). ``poll_s``: how often exits are checked.
-    ``stop()`` sends SIGTERM to all, waits ``grace_s`` seconds, then kills.
+
+    An engine that exits before it stayed up ``reset_after_s`` seconds counts as a failed start (it never became
+    healthy: with the demo model an engine is serving within seconds, so 60 s up means it came up; no health probe is
+    needed). After ``max_failed_starts`` failed starts in a row (``None``: never) the supervisor gives up: it restarts
+    no engine any more, sets ``failure`` to a one-line reason and calls ``on_give_up`` (from its thread;
+    ``run_local_stack`` interrupts the router with it, to end the stack). An engine that had stayed up and then
+    crashes is restarted as before. ``stop()`` sends SIGTERM to all, waits ``grace_s`` seconds, then kills.
     """
 
     def __init__(
@@ -129,6 +137,8 @@ class EngineSupervisor:
         max_backoff_s: float = 30.0,
         reset_after_s: float = 60.0,
         poll_s: float = 0.5,
+        max_failed_starts: int | None = 3,
+        on_give_up: Callable[[], None] | None = None,
     ):
         self.argvs = argvs
         self.grace_s = grace_s
@@ -137,6 +147,10 @@ class EngineSupervisor:
         self.max_backoff_s = max_backoff_s
         self.reset_after_s = reset_after_s
         self.poll_s = poll_s
+        self.max_failed_starts = max_failed_starts
+        self.on_give_up = on_give_up
+        self.failure: str | None = None  # why the supervisor gave up on an engine; None while it has not
+        self.failed_starts = [0] * len(argvs)  # engine i's failed starts in a row
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(argvs)
         self.backoff = [backoff_s] * len(argvs)  # engine i's next restart delay
         self._started_at = [0.0] * len(argvs)  # monotonic seconds when engine i's process was started
@@ -168,6 +182,15 @@ class EngineSupervisor:
                 if due is None:
                     if now - self._started_at[i] >= self.reset_after_s:
                         self.backoff[i] = self.backoff_s  # it had stayed up: a new fault, not a crash loop
+                        self.failed_starts[i] = 0
+                    else:
+                        self.failed_starts[i] += 1
+                        gives_up = (
+                            self.max_failed_starts is not None and self.failed_starts[i] >= self.max_failed_starts
+                        )
+                        if gives_up and not self._stopping.is_set():
+                            self._give_up(i, proc.returncode)
+                            return
                     delay = self.backoff[i]
                     logger.warning("engine %d exited with status %s; restarting in %g s", i, proc.returncode, delay)
                     restart_at[i] = now + delay
@@ -175,6 +198,15 @@ class EngineSupervisor:
                 elif now >= due and not self._stopping.is_set():
                     restart_at[i] = None
                     self._spawn(i)
+
+    def _give_up(self, i: int, status: int | None) -> None:
+        self.failure = (
+            f"engine {i} failed to start {self.failed_starts[i]} times in a row; last exit status {status}; "
+            f"see its output above"
+        )
+        logger.error("%s", self.failure)
+        if self.on_give_up is not None:
+            self.on_give_up()
 
     def stop(self) -> None:
         """Stop the engines: SIGTERM, then SIGKILL after ``grace_s``. A KeyboardInterrupt meanwhile (Ctrl-C again)
@@ -213,18 +245,32 @@ class EngineSupervisor:
 def run_local_stack(engine_args: EngineArgs, router_args: RouterArgs, engines: int, engine_base_port: int) -> int:
     """Run ``engines`` engine children on ``engine_base_port``, ``+1``, ... and the router (``router_args``, whose
     worker URLs are set here) in this process until Ctrl-C/SIGTERM. Returns the exit status."""
+    from radixserve.engine.model.locate import check_model_paths
     from radixserve.router.app import run_router
 
     if engines < 1:
         raise ValueError("--engines must be at least 1")
     threads = split_threads(engine_args.num_threads, engines)
     ports = [engine_base_port + i for i in range(engines)]
+    check_model_paths(engine_args.model_path, engine_args.tokenizer_path)  # here, not in N engines' restart loops
     check_ports_free([(router_args.host, router_args.port)] + [("127.0.0.1", p) for p in ports])
-    supervisor = EngineSupervisor([engine_argv(engine_args, port, threads) for port in ports])
+    # An engine that cannot start ends the stack: SIGINT to this process stops the router as Ctrl-C does.
+    supervisor = EngineSupervisor(
+        [engine_argv(engine_args, port, threads) for port in ports],
+        on_give_up=lambda: os.kill(os.getpid(), signal.SIGINT),
+    )
     router_args.worker_urls = [f"http://127.0.0.1:{port}" for port in ports]
     logger.info("starting %d engine(s) with %d thread(s) each on ports %s", engines, threads, ports)
     supervisor.start()
     try:
-        return run_router(router_args)
+        status = run_router(router_args)
+    except KeyboardInterrupt:
+        if supervisor.failure is None:
+            raise
+        status = 1
     finally:
         supervisor.stop()
+    if supervisor.failure is not None:
+        print(f"radixserve up: {supervisor.failure}", file=sys.stderr)  # the last line, after the engines' output
+        return 1
+    return status

@@ -230,6 +230,9 @@ def run_engine(args: EngineArgs) -> int:
     import os
     import threading
 
+    from radixserve.engine.model.locate import check_model_paths
+
+    check_model_paths(args.model_path, args.tokenizer_path)  # one clear line (a ValueError) before torch is imported
     from radixserve.contracts.serving import serve
     from radixserve.engine.engine import Engine
 
