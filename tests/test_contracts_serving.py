@@ -59,6 +59,29 @@ def test_sse_framing() -> None:
     assert SSE_DONE == b"data: [DONE]\n\n"
 
 
+def start_script(script: str, *args: str) -> subprocess.Popen[str]:
+    """``python -c script args...`` with its stdout and stderr piped (text, unbuffered)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def wait_for_server(proc: subprocess.Popen[str], port: int, timeout_s: float = 30.0) -> None:
+    """Until the server ``proc`` answers on 127.0.0.1:``port``; fails if it exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+            time.sleep(0.1)
+
+
 SERVER = textwrap.dedent(
     """
     import logging, sys
@@ -82,22 +105,9 @@ SERVER = textwrap.dedent(
 
 def test_serve_calls_on_exit_on_sigint_and_keeps_probes_out_of_the_log() -> None:
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = start_script(SERVER, str(port))
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-                time.sleep(0.1)
+        wait_for_server(proc, port)
         assert httpx.get(f"http://127.0.0.1:{port}/health").text == "ok"
         assert httpx.get(f"http://127.0.0.1:{port}/work").text == "ok"
         proc.send_signal(signal.SIGINT)
@@ -157,22 +167,9 @@ def test_second_sigint_exits_at_once_without_a_traceback_and_runs_the_lifespan_s
     # Regression: a second Ctrl-C made uvicorn skip the lifespan shutdown; asyncio.run then cancelled the lifespan
     # task and Starlette's "lifespan.shutdown.failed" CancelledError traceback was logged (the app's cleanup cut).
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", FORCED_SERVER, str(port), mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = start_script(FORCED_SERVER, str(port), mode)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-                time.sleep(0.1)
+        wait_for_server(proc, port)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)

@@ -8,23 +8,15 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from radixserve.launch.local_stack import ENGINE_ENV, EngineSupervisor, engine_env
 
+from fake_engine import wait_until
+
 EXITS_AT_ONCE = [sys.executable, "-c", "import sys; sys.exit(1)"]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def restart_delays(caplog: pytest.LogCaptureFixture) -> list[float]:
