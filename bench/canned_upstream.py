@@ -47,7 +47,7 @@ def create_app(chunks: int = 16, chunk_interval_s: float = 0.01, tokenizer_dir: 
     async def tokenizer_files(request: Request) -> Response:
         if not files:
             return JSONResponse(
-                {"object": "error", "message": "no tokenizer", "type": "not_found_error", "param": None, "code": 404},
+                {"error": {"message": "no tokenizer", "type": "not_found_error", "param": None, "code": 404}},
                 status_code=404,
             )
         return JSONResponse({"model": MODEL, "files": files})

@@ -145,8 +145,8 @@ def post(url: str, path: str, body: dict[str, Any], timeout: float = 300) -> htt
 def assert_error(r: httpx.Response, status: int, *needles: str) -> str:
     """``r`` is an OpenAI error body with ``status`` whose message contains every needle; returns the message."""
     assert r.status_code == status, (r.status_code, r.text)
-    body = r.json()
-    assert body["object"] == "error" and body["code"] == status
+    body = r.json()["error"]
+    assert set(r.json()) == {"error"} and body["code"] == status
     for n in needles:
         assert n in body["message"], (n, body["message"])
     return body["message"]

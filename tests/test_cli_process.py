@@ -91,7 +91,7 @@ def test_sigint_with_requests_in_flight_aborts_them_and_exits(tmp_path):
         last = json.loads(lines[-2].removeprefix("data: "))
         assert "error" in last and last["error"]["code"] == 503
         plain = results["plain"]
-        assert plain.status_code == 503 and plain.json()["object"] == "error"
+        assert plain.status_code == 503 and plain.json()["error"]["code"] == 503
         log.seek(0)
         text = log.read()
         assert "Traceback" not in text

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from radixserve.contracts.protocol import error_body
 from radixserve.contracts.serving import ACCESS_LOGGER, ProbeAccessFilter
 from radixserve.contracts.sse import SSE_DONE, sse, sse_error
 
@@ -53,9 +54,11 @@ def test_sse_framing() -> None:
     assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
     event = sse_error("boom", 503)
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert json.loads(event[6:]) == error_body("boom", 503)  # the same object as an HTTP error answer
     assert json.loads(event[6:]) == {
-        "error": {"object": "error", "message": "boom", "type": "service_unavailable", "param": None, "code": 503}
+        "error": {"message": "boom", "type": "service_unavailable", "param": None, "code": 503}
     }
+    assert json.loads(sse_error("bad", 400, "messages[0].content")[6:])["error"]["param"] == "messages[0].content"
     assert SSE_DONE == b"data: [DONE]\n\n"
 
 

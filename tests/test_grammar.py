@@ -558,7 +558,7 @@ def test_native_invalid_grammar_is_an_http_400_even_when_streaming(url, stream):
             url + "/generate", json={"text": "x", "stream": stream, "sampling_params": {"regex": r"(a+)\1"}}, timeout=60
         )
         assert r.status_code == 400, r.text
-        assert "Backreference" in r.json()["message"] and r.json()["param"] == "regex"
+        assert "Backreference" in r.json()["error"]["message"] and r.json()["error"]["param"] == "regex"
     r = httpx.post(
         url + "/generate",
         json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
@@ -659,7 +659,7 @@ def test_invalid_grammar_with_max_tokens_zero_is_still_400(url):
         json={"text": "x", "sampling_params": {"max_new_tokens": 0, "json_schema": '{"type": "strin"}'}},
         timeout=60,
     )
-    assert r.status_code == 400 and "strin" in r.json()["message"], r.text
+    assert r.status_code == 400 and "strin" in r.json()["error"]["message"], r.text
     r = httpx.post(
         url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0, "regex": "a"}}, timeout=60
     )
@@ -917,4 +917,5 @@ def test_unsupported_schema_is_an_http_400_naming_keyword_and_path(url):
             url + "/generate", json={"text": "x", "sampling_params": {"json_schema": json.dumps(schema)}}, timeout=60
         )
         assert r.status_code == 400, r.text
-        assert "'uniqueItems'" in r.json()["message"] and "#/properties/tags" in r.json()["message"]
+        message = r.json()["error"]["message"]
+        assert "'uniqueItems'" in message and "#/properties/tags" in message

@@ -21,18 +21,15 @@ from radixserve.contracts.protocol import (
 @pytest.mark.parametrize("status", sorted(constants.ERROR_TYPES))
 def test_error_body_shape(status):
     body = error_body("bad thing", status, "max_tokens")
+    # OpenAI's shape (no top-level "object": the flat {"object": "error", ...} body of earlier releases is gone)
     assert body == {
-        "object": "error",
-        "message": "bad thing",
-        "type": constants.ERROR_TYPES[status],
-        "param": "max_tokens",
-        "code": status,
+        "error": {"message": "bad thing", "type": constants.ERROR_TYPES[status], "param": "max_tokens", "code": status}
     }
 
 
 def test_error_body_defaults():
-    assert error_body("x", 400)["param"] is None
-    assert error_body("x", 418)["type"] == "error"
+    assert error_body("x", 400)["error"]["param"] is None
+    assert error_body("x", 418)["error"]["type"] == "error"
 
 
 @pytest.mark.parametrize(

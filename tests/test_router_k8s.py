@@ -74,6 +74,6 @@ async def test_router_follows_endpointslices(k8s):
             assert resp.status == 200
             await poll(client, router, lambda b: b["routable_workers"] == 0)
             r = await client.post(router + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["type"] == constants.ERROR_TYPES[503]
+            assert r.status_code == 503 and r.json()["error"]["type"] == constants.ERROR_TYPES[503]
             body = (await client.get(router + "/health")).json()
             assert body["discovery"]["stale"] is False and body["discovery"]["last_error"] is None

@@ -195,7 +195,7 @@ def test_disconnects_free_everything(server, client):
 def test_out_of_range_seed_is_400_and_engine_survives(server, seed):
     url, engine = server
     r = httpx.post(url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2, "seed": seed}})
-    assert r.status_code == 400 and r.json()["param"] == "seed", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
     r = httpx.post(
         url + "/v1/chat/completions",
         timeout=60,
@@ -228,7 +228,7 @@ def test_non_boolean_flags_are_400(server, field, value):
     url, engine = server
     body = {"text": "Hi", "sampling_params": {"max_new_tokens": 3, field: value}}
     r = httpx.post(url + "/generate", json=body, timeout=60)
-    assert r.status_code == 400 and r.json()["param"] == field, r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert engine.is_healthy()
 
 
@@ -249,7 +249,7 @@ def test_lone_surrogate_is_400_everywhere(server):
     for path, body, param in cases:
         # json.dumps escapes the surrogate as \ud800, exactly what a client sends
         r = httpx.post(url + path, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
-        assert r.status_code == 400 and r.json()["param"] == param, (path, r.text)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
     assert engine.is_healthy()
 
 

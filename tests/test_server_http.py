@@ -18,7 +18,7 @@ def test_health(client, engine):
     assert client.get("/health_generate").status_code == 200
     engine.healthy = False
     r = client.get("/health")
-    assert r.status_code == 503 and r.json()["type"] == "service_unavailable"
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     assert client.get("/health_generate").status_code == 503
 
 
@@ -29,7 +29,7 @@ def test_models(client):
     assert card["id"] == "smollm2-135m-instruct" and card["object"] == "model" and card["max_model_len"] == 2048
     assert client.get("/v1/models/smollm2-135m-instruct").json()["id"] == card["id"]
     r = client.get("/v1/models/nope")
-    assert r.status_code == 404 and r.json()["param"] == "model"
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_model_info_flush_metrics_abort(client, engine):
@@ -47,29 +47,70 @@ def test_model_info_flush_metrics_abort(client, engine):
 
 def test_unknown_route_is_openai_error(client):
     r = client.get("/nope")
-    assert r.status_code == 404 and r.json()["object"] == "error"
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
-@pytest.mark.parametrize(
-    ("body", "message"),
-    [
-        # Regression: '{bad json' answered "1: JSON decode error" with param "1".
-        (b"{bad json", "the request body is not valid JSON: Expecting property name enclosed in double quotes"),
-        (b"", "the request body is empty; a JSON object is expected"),
-        (b"[1, 2]", "the request body must be a JSON object"),
-    ],
-)
+# Issue 11: this body answered "33: JSON decode error" with param "33" (FastAPI's character offset).
+BROKEN_AT_33 = b'{"messages": [{"role": "user"}   {"role": "user"}]}'
+NOT_AN_OBJECT = [
+    (BROKEN_AT_33, "the request body is not valid JSON at line 1 column 34: Expecting ',' delimiter"),
+    (
+        b"{bad json",
+        "the request body is not valid JSON at line 1 column 2: Expecting property name enclosed in double quotes",
+    ),
+    (b'{"text": "a",\n "stream": tru}', "the request body is not valid JSON at line 2 column 12: Expecting value"),
+    (b"", "the request body is empty; a JSON object is expected"),
+    (b"[1, 2]", "the request body must be a JSON object"),
+    (b'{"text": "\xff"}', "the request body is not valid UTF-8 (byte 10): a JSON object is expected"),
+    (b"[" * 100_000, "the request body nests JSON too deeply"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), NOT_AN_OBJECT)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/generate"])
 def test_a_body_that_is_not_a_json_object_is_a_clear_400(client, path, body, message):
     r = client.post(path, content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400
-    assert r.json() == {
-        "object": "error",
-        "message": message,
-        "type": "invalid_request_error",
-        "param": None,
-        "code": 400,
-    }
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": 400}}
+
+
+def test_a_json_object_without_the_json_content_type_says_so(client):
+    # `curl -d '{...}'` sends application/x-www-form-urlencoded; FastAPI does not read such a body as JSON.
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {"content-type": "text/plain"}):
+        r = client.post("/generate", content=b'{"text": "a"}', headers=headers)
+        assert r.status_code == 400
+        assert r.json()["error"] == {
+            "message": "the request body must be sent with Content-Type: application/json",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": 400,
+        }
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        # pydantic's loc is ("body", "messages", 0, "content", "str"): the union member tag is not a field
+        (
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages[0].content",
+            "messages[0].content: Input should be a valid string or Input should be a valid list",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]},
+            "messages[0].content",
+            "messages[0].content: Input should be a valid string; messages[0].content[0].text: Input should be a",
+        ),
+        ({"messages": MSGS, "max_tokens": "many"}, "max_tokens", "max_tokens: Input should be a valid integer"),
+        ({"messages": MSGS, "stream_options": {"include_usage": "x"}}, "stream_options.include_usage", "boolean"),
+    ],
+)
+def test_a_field_error_names_the_field_path_in_param(client, body, param, message):
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["code"] == 400
+    assert message in error["message"]
 
 
 def test_request_id_generated_and_echoed_everywhere(client):
@@ -104,7 +145,8 @@ def test_body_limit(tokenizer):
     client = TestClient(create_app(engine, manage_engine=False))
     big = {"messages": [{"role": "user", "content": "x" * 2000}]}
     r = client.post("/v1/chat/completions", json=big, headers={"x-request-id": "big"})
-    assert r.status_code == 413 and r.json()["type"] == "request_too_large" and r.headers["x-request-id"] == "big"
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    assert r.headers["x-request-id"] == "big"
 
     def chunked():  # no Content-Length: the limit must hold on the body actually read
         for _ in range(5):
@@ -120,7 +162,7 @@ def test_api_key(tokenizer):
     engine = FakeEngine(tokenizer, api_key="sekret")
     client = TestClient(create_app(engine, manage_engine=False))
     r = client.post("/v1/chat/completions", json={"messages": MSGS})
-    assert r.status_code == 401 and r.json()["type"] == "authentication_error"
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     ok = client.post("/v1/chat/completions", json={"messages": MSGS}, headers={"Authorization": "Bearer sekret"})
     assert ok.status_code == 200
@@ -133,7 +175,7 @@ def test_unexpected_exception_is_500_without_traceback(client, engine):
     for path, body in (("/v1/chat/completions", {"messages": MSGS}), ("/generate", {"text": "a"})):
         r = client.post(path, json=body, headers={"x-request-id": "e500"})
         assert r.status_code == 500
-        assert r.json()["object"] == "error" and r.json()["type"] == "internal_server_error"
+        assert r.json()["error"]["type"] == "internal_server_error"
         assert "secret" not in r.text and "Traceback" not in r.text
         assert r.headers["x-request-id"] == "e500"
 

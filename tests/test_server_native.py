@@ -106,5 +106,5 @@ def test_invalid(client, engine, body, needle):
     for stream in (False, True):
         r = client.post("/generate", json={**body, "stream": stream})
         assert r.status_code == 400, r.text
-        assert needle in r.json()["message"] and r.json()["object"] == "error"
+        assert needle in r.json()["error"]["message"] and r.json()["error"]["code"] == 400
     assert engine.requests == []

@@ -87,8 +87,8 @@ TOOL_TEMPLATE = (
 
 def assert_error(r, status, *needles):
     assert r.status_code == status, r.text
-    body = r.json()
-    assert body["object"] == "error" and body["code"] == status and body["type"] == constants.ERROR_TYPES[status]
+    body = r.json()["error"]
+    assert set(r.json()) == {"error"} and body["code"] == status and body["type"] == constants.ERROR_TYPES[status]
     for needle in needles:
         assert needle in body["message"] or needle == body["param"], body
     return body

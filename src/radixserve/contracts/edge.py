@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixserve.contracts.json_body import parse_json_object
 from radixserve.contracts.protocol import error_body, random_id
 
 logger = logging.getLogger("radixserve.contracts.edge")
@@ -40,7 +41,13 @@ async def http_exception_handler(request: Request, exc: Exception) -> JSONRespon
     exception's headers (e.g. ``Allow`` on a 405). Install with
     ``app.add_exception_handler(StarletteHTTPException, http_exception_handler)``."""
     assert isinstance(exc, StarletteHTTPException)
-    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code, headers=exc.headers)
+    message = str(exc.detail)
+    raw = request.scope.get(BODY_SCOPE_KEY)
+    if exc.status_code == 400 and isinstance(raw, bytes):
+        # FastAPI's "There was an error parsing the body" (invalid UTF-8, JSON nested too deeply): say what.
+        parsed = parse_json_object(raw)
+        message = parsed if isinstance(parsed, str) else message
+    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
 
 class EdgeMiddleware:

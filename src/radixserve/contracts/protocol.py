@@ -25,18 +25,16 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI-style error body: ``{"object": "error", "message", "type", "param", "code"}``.
+    """OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``, the same for an HTTP answer and a
+    mid-stream SSE event (docs/contracts.md, "Errors").
 
     ``type`` comes from ``radixserve.contracts.constants.ERROR_TYPES`` by HTTP ``status`` (``"error"`` for an
-    unlisted status); ``code`` is the HTTP status.
+    unlisted status); ``code`` is the HTTP status (as vLLM sends it); ``param`` is the request field at fault (a path
+    such as ``messages[0].content``) or None. The OpenAI SDK reads ``body["error"]`` into ``APIError.message``,
+    ``.type``, ``.param`` and ``.code``.
     """
-    return {
-        "object": "error",
-        "message": message,
-        "type": constants.ERROR_TYPES.get(status, "error"),
-        "param": param,
-        "code": status,
-    }
+    error_type = constants.ERROR_TYPES.get(status, "error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
 def random_id() -> str:

@@ -1,5 +1,6 @@
 """Server-sent events as the engine and the router write them (OpenAI's streaming format): ``data: <json>`` events,
-an error event carrying the OpenAI error body under ``error``, and the closing ``data: [DONE]``."""
+an error event carrying the OpenAI error body (the same object as an HTTP error answer), and the closing
+``data: [DONE]``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
-def sse_error(message: str, status: int) -> bytes:
-    """A mid-stream error event ``{"error": <OpenAI error body>}`` (the OpenAI SDK raises ``APIError`` on it). A
-    stream that fails after it started sends this, then ``SSE_DONE``."""
-    return sse({"error": error_body(message, status)})
+def sse_error(message: str, status: int, param: str | None = None) -> bytes:
+    """A mid-stream error event: ``error_body(message, status, param)``, i.e. ``{"error": {"message", "type", "param",
+    "code"}}`` (the OpenAI SDK raises ``APIError`` on it). A stream that fails after it started sends this, then
+    ``SSE_DONE``."""
+    return sse(error_body(message, status, param))

@@ -238,7 +238,7 @@ async def respond(
             async for chunk in chunks(group):
                 yield chunk
         except InvalidRequestError as e:
-            yield sse_error(e.message, e.status_code)
+            yield sse_error(e.message, e.status_code, e.param)
             yield SSE_DONE
         except Exception as e:  # noqa: BLE001 - the response has started; report in-band
             logger.exception("error while streaming %s", rids)

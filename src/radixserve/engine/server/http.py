@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from radixserve.contracts import constants
-from radixserve.contracts.edge import EdgeMiddleware, error_response, http_exception_handler
+from radixserve.contracts.edge import BODY_SCOPE_KEY, EdgeMiddleware, error_response, http_exception_handler
 from radixserve.contracts.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +37,7 @@ from radixserve.engine.server.common import ServerContext
 from radixserve.engine.server.generation import ClientDisconnected
 from radixserve.engine.server.native import NativeServing
 from radixserve.engine.server.openai_api import OpenAIServing
+from radixserve.engine.server.request_errors import validation_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from radixserve.engine.config import EngineArgs
@@ -49,28 +50,6 @@ logger = logging.getLogger("radixserve.engine.server")
 _OPEN_PATHS = frozenset({constants.ENGINE_HEALTH_PATH, constants.ENGINE_HEALTH_GENERATE_PATH, "/metrics"})
 # The router re-reads /v1/models on every probe and the tokenizer files once per model.
 _PROBE_PATHS = _OPEN_PATHS | {constants.ENGINE_TOKENIZER_FILES_PATH, "/v1/models"}
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """``(message, param)`` of the 400 for a body FastAPI could not validate: the first five errors, each with its
-    field path; a body that is not JSON, or not a JSON object, says so as the router does."""
-    errors = exc.errors()
-    if errors and errors[0].get("type") == "json_invalid":
-        detail = (errors[0].get("ctx") or {}).get("error") or errors[0].get("msg")
-        return f"the request body is not valid JSON: {detail}", None
-    if errors and tuple(errors[0].get("loc", ())) == ("body",):
-        if errors[0].get("type") == "missing":
-            return "the request body is empty; a JSON object is expected", None
-        return "the request body must be a JSON object", None
-    parts = []
-    param = None
-    for err in errors[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        if param is None and where:
-            param = where
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request", param
 
 
 def create_app(engine: Engine, manage_engine: bool = True) -> FastAPI:
@@ -109,7 +88,7 @@ def create_app(engine: Engine, manage_engine: bool = True) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_error(exc, request.scope.get(BODY_SCOPE_KEY))
         return error_response(message, 400, param)
 
     @app.exception_handler(InvalidRequestError)
