@@ -123,7 +123,7 @@ kubectl port-forward -n "$NAMESPACE" "svc/$NAME" "$LOCAL_PORT:$ROUTER_SERVICE_PO
 pf_pid=$!
 BASE="http://127.0.0.1:$LOCAL_PORT"
 for _ in $(seq 1 30); do
-  curl -fsS "$BASE/health" >/dev/null 2>&1 && break
+  curl -fsS "$BASE/live" >/dev/null 2>&1 && break  # the port-forward is up
   sleep 1
 done
 curl -fsS "$BASE/health"; echo

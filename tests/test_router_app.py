@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -77,10 +78,21 @@ def metric(url: str, name: str) -> float:
     return total
 
 
+def state_lines(caplog: Any, url: str) -> list[str]:
+    """The worker state-change lines the router logged for ``url``, as ``LEVEL message``."""
+    return [
+        f"{r.levelname} {r.getMessage()}"
+        for r in caplog.records
+        if r.name == "radixserve.router.workers"
+        and r.getMessage().startswith(f"worker {url} ")
+        and r.levelno >= logging.WARNING
+    ]
+
+
 def assert_error(r: httpx.Response, status: int, *needles: str) -> dict[str, Any]:
     assert r.status_code == status, r.text
-    body = r.json()
-    assert body["object"] == "error" and body["code"] == status and body["type"] == constants.ERROR_TYPES[status]
+    body = r.json()["error"]
+    assert set(r.json()) == {"error"} and body["code"] == status and body["type"] == constants.ERROR_TYPES[status]
     for needle in needles:
         assert needle in body["message"], body["message"]
     return body
@@ -233,7 +245,7 @@ def test_health_lists_workers(stack):
     h = health(r)
     assert h["status"] == "ok" and h["discovery"]["kind"] == "static" and h["discovery"]["stale"] is False
     assert sorted(w["url"] for w in h["workers"]) == sorted(urls)
-    assert all(w["state"] == "closed" and w["models"] == [MODEL] and w["inflight_requests"] == 0 for w in h["workers"])
+    assert all(w["state"] == "healthy" and w["models"] == [MODEL] and w["inflight_requests"] == 0 for w in h["workers"])
     ready = httpx.get(r + "/ready")
     assert ready.status_code == 200 and ready.json()["routable_workers"] == 2
 
@@ -288,6 +300,7 @@ def test_body_limit_413_and_api_key_401(tok):
             == 200
         )
         assert httpx.get(r + "/health").status_code == 200  # probes and scrapes stay open
+        assert httpx.get(r + constants.ROUTER_LIVE_PATH).status_code == 200
         assert httpx.get(r + "/metrics").status_code == 200
         client = openai.OpenAI(base_url=r + "/v1", api_key="sekret", max_retries=0)
         assert client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2).choices[0].message.content
@@ -311,6 +324,9 @@ def test_no_routable_worker_503():
         assert_error(httpx.get(r + "/ready"), 503)
         assert_error(httpx.post(r + "/v1/chat/completions", json={"messages": MSGS}), 503, "no engine")
         assert health(r)["workers"][0]["state"] == "pending"
+        h = httpx.get(r + constants.ROUTER_HEALTH_PATH)
+        assert h.status_code == 503 and h.json()["status"] == "unavailable"  # nothing routable (it said "ok")
+        assert httpx.get(r + constants.ROUTER_LIVE_PATH).status_code == 200
         client = openai.OpenAI(base_url=r + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.InternalServerError):
             client.chat.completions.create(model=MODEL, messages=MSGS)
@@ -352,7 +368,7 @@ def test_ejected_worker_keeps_the_health_interval(tok):
         calls = count_probes(fakes[0])
         with router(urls, health_interval_s=1.0, pending_probe_interval_s=0.05, eject_after_failures=1) as r:
             fakes[0].healthy = False
-            assert wait_until(lambda: health(r)["workers"][0]["state"] == "open", 10)
+            assert wait_until(lambda: health(r)["workers"][0]["state"] == "ejected", 10)
             ejected = len(calls)
             time.sleep(2.2)
             assert 1 <= len(calls) - ejected <= 3  # about one a second, not twenty
@@ -404,22 +420,31 @@ def test_retry_on_503_before_first_byte(tok):
         assert len(fakes[0].requests) == metric(r, "retries_total")
 
 
-def test_ejection_and_readmission_by_health_probe(tok):
+def test_ejection_and_readmission_by_health_probe(tok, caplog):
+    caplog.set_level(logging.INFO, logger="radixserve.router")
     with (
         engines(tok, 2) as (fakes, urls),
         router(urls, eject_after_failures=2, health_interval_s=0.2, readmit_after_s=3.0) as r,
     ):
         fakes[0].healthy = False  # /health answers 503
-        assert wait_until(lambda: {w["url"]: w["state"] for w in health(r)["workers"]}[urls[0]] == "open", 30)
+        assert wait_until(lambda: {w["url"]: w["state"] for w in health(r)["workers"]}[urls[0]] == "ejected", 30)
         assert metric(r, "ejections_total") >= 1
-        assert health(r)["routable_workers"] == 1
+        h = httpx.get(r + "/health")
+        assert h.status_code == 200 and h.json()["status"] == "degraded" and h.json()["routable_workers"] == 1
         for i in range(4):
             resp = httpx.post(r + "/generate", json={"text": f"p{i} " * 30, "sampling_params": {"max_new_tokens": 1}})
             assert resp.headers[constants.HEADER_WORKER] == urls[1]
+        time.sleep(1.0)  # five more failed probes: still the one ejection line
         fakes[0].healthy = True
-        # Half-open after readmit_after_s (routable on trial), closed by the next successful probe.
-        assert wait_until(lambda: {w["url"]: w["state"] for w in health(r)["workers"]}[urls[0]] == "closed", 30)
-        assert health(r)["routable_workers"] == 2
+        # Probing after readmit_after_s (routable on trial), healthy again on the next successful probe.
+        assert wait_until(lambda: {w["url"]: w["state"] for w in health(r)["workers"]}[urls[0]] == "healthy", 30)
+        assert health(r)["routable_workers"] == 2 and health(r)["status"] == "ok"
+    changes = state_lines(caplog, urls[0])
+    assert changes[0] == (
+        f"WARNING worker {urls[0]} ejected: 503 Service Unavailable from GET /health (2 failures in a row)"
+    )
+    assert len(changes) == 3 and changes[1].startswith(f"WARNING worker {urls[0]} probing: ")
+    assert re.fullmatch(rf"WARNING worker {re.escape(urls[0])} healthy again after \d+\.\d s", changes[2])
 
 
 # ------------------------------------------------------------------------------------------------ models

@@ -85,7 +85,9 @@ def test_every_router_flag_has_help_with_its_default():
     for name, action in by_dest.items():
         assert (action.help or "").strip(), f"{name} has no help"
         assert "\n" not in action.help, name
-        if action.default not in (None, False, []):
+        if name in ("api_key", "engine_api_key"):
+            assert "%(default)s" not in action.help, f"{name} would print the key"
+        elif action.default not in (None, False, []):
             assert "%(default)s" in action.help, f"{name} does not show its default"
     assert tuple(by_dest["policy"].choices) == tuple(POLICIES)
     text = parser.format_help()
@@ -95,3 +97,25 @@ def test_every_router_flag_has_help_with_its_default():
 def test_service_discovery_flags():
     args = parse("--service-discovery", "--namespace", "ns", "--all-inference-services")
     assert args.service_discovery and args.namespace == "ns" and args.all_inference_services and not args.worker_urls
+
+
+@pytest.mark.parametrize(
+    "flag, field, env",
+    [
+        ("--api-key", "api_key", "RADIXSERVE_API_KEY"),
+        ("--engine-api-key", "engine_api_key", "RADIXSERVE_ENGINE_API_KEY"),
+    ],
+)
+def test_keys_default_from_the_environment_and_help_never_shows_them(monkeypatch, flag, field, env):
+    # Issue 11: the router's keys could only be given on its command line (visible in ps, stored in pod specs).
+    monkeypatch.setenv(env, "s3cret-from-env")
+    assert getattr(parse("--worker-urls", "http://a:1"), field) == "s3cret-from-env"
+    assert getattr(parse("--worker-urls", "http://a:1", flag, "from-flag"), field) == "from-flag"  # the flag wins
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    text = parser.format_help()
+    assert "s3cret-from-env" not in text and "$" + env in text
+    monkeypatch.setenv(env, "")
+    assert getattr(parse("--worker-urls", "http://a:1"), field) is None  # empty: no key
+    monkeypatch.delenv(env)
+    assert getattr(parse("--worker-urls", "http://a:1"), field) is None

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from radixserve.contracts import constants
+
 from conftest import ROOT, requires_model
 
 pytestmark = [requires_model, pytest.mark.slow]
@@ -82,8 +84,8 @@ def _check_ready_line(router: str, port: int, log_path: str, proc: subprocess.Po
     if not _ready_lines(log_path):
         assert models.status_code in (200, 503), models.text  # 200: one engine routable, the line awaits both
         if models.status_code == 503:
-            assert models.json()["type"] == "service_unavailable"
-            assert "no engine is ready yet (0 of 2 routable)" in models.json()["message"]
+            assert models.json()["error"]["type"] == "service_unavailable"
+            assert "no engine is ready yet (0 of 2 routable)" in models.json()["error"]["message"]
     _wait(lambda: _ready_lines(log_path), 300, "the ready line", proc)
     reply = httpx.post(
         router + "/v1/chat/completions",
@@ -125,10 +127,13 @@ def stack(tmp_path_factory):
     router = f"http://127.0.0.1:{port}"
     engines = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
     try:
-        _wait(lambda: httpx.get(router + "/health", timeout=2).status_code == 200, 60, "the router", proc)
+        # /live, not /health: /health is 503 until an engine is routable.
+        _wait(
+            lambda: httpx.get(router + constants.ROUTER_LIVE_PATH, timeout=2).status_code == 200, 60, "the router", proc
+        )
         _check_ready_line(router, port, logfile.name, proc)
         _wait(
-            lambda: all(w["state"] == "closed" for w in _workers(router).values()) and len(_workers(router)) == 2,
+            lambda: all(w["state"] == "healthy" for w in _workers(router).values()) and len(_workers(router)) == 2,
             300,
             "both engines healthy behind the router",
             proc,
@@ -161,7 +166,7 @@ def test_openai_client_through_the_router(stack):
     reply = raw.parse()
     assert reply.choices[0].message.content
     assert raw.headers["x-radixserve-worker"] in stack["engines"]
-    assert raw.headers["x-radixserve-route-reason"] in ("prefix-hit", "load-spill", "fallback", "retry")
+    assert raw.headers["x-radixserve-route-reason"] in constants.ROUTE_REASONS
     assert raw.headers["x-request-id"]
 
     stream = client.chat.completions.create(
@@ -228,12 +233,17 @@ def test_killed_engine_is_ejected_then_readmitted(stack):
         assert len(pids) == 1, pids
         os.kill(pids[0], signal.SIGKILL)
         killed_at = len(served_by)
-        _wait(lambda: _workers(router)[victim]["state"] == "open", 60, "the dead engine ejected", stack["proc"])
+        _wait(lambda: _workers(router)[victim]["state"] == "ejected", 60, "the dead engine ejected", stack["proc"])
         time.sleep(3)
         after_kill = served_by[killed_at:]
         assert after_kill and all(w == survivor for w in after_kill[-3:])
         # The supervisor restarts the engine; the router's health probe re-admits it.
-        _wait(lambda: _workers(router)[victim]["state"] == "closed", 300, "the engine re-admitted", stack["proc"])
+        _wait(lambda: _workers(router)[victim]["state"] == "healthy", 300, "the engine re-admitted", stack["proc"])
+        # Issue 11: a SIGKILLed engine produced no router log line. One line for each change, with its reason.
+        with open(stack["log"].name) as f:
+            lines = [line for line in f if f"worker {victim} " in line]
+        assert any(f"worker {victim} ejected: " in line for line in lines), lines
+        assert any(f"worker {victim} healthy again after" in line for line in lines), lines
     finally:
         stop.set()
         for t in threads:

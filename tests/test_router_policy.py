@@ -52,7 +52,7 @@ def test_ring_owner_is_the_first_point_clockwise():
         k = rng.getrandbits(64)
         expected = min(points, key=lambda p: ((p[0] - k) % 2**64, p[1]))[1]
         ranking = policy.rank(key_of(k), idle(ws), 10)
-        assert ranking[0].worker == expected and ranking[0].reason == "prefix-hit"
+        assert ranking[0].worker == expected and ranking[0].reason == "cold"  # nothing recorded: a fresh prompt
         assert sorted(d.worker for d in ranking) == sorted(ws)
 
 
@@ -139,7 +139,7 @@ def test_choice_is_the_first_fitting_worker_clockwise(loads, cost, routing_key, 
     assert fits(load_of[choice], cost, loads, slack)
     skipped = walk[: walk.index(choice)]
     assert not any(fits(load_of[u], cost, loads, slack) for u in skipped)  # no fitting worker skipped
-    assert ranking[0].reason == ("prefix-hit" if choice == walk[0] else "load-spill")  # nothing recorded
+    assert ranking[0].reason == ("cold" if choice == walk[0] else "load-spill")  # nothing recorded
     assert [d.worker for d in ranking[1:]] == [u for u in walk if u != choice]
 
 
@@ -171,7 +171,32 @@ def test_affinity_picks_the_longest_match_among_fitting_workers(loads, cost, rec
     for d in ranking:
         assert d.predicted_cached_tokens == min(matched[d.worker] * 16, key.prompt_tokens - 1)
     owner = policy.walk(key.routing_key, ws)[0]
-    assert ranking[0].reason == ("prefix-hit" if choice == owner or matched[choice] else "load-spill")
+    # Issue 11: "cache-affinity" only for a worker predicted to hold some of the prompt; the owner of a prompt nobody
+    # holds is "cold" (it said "prefix-hit" on requests the engine answered with cached_tokens 0).
+    if matched[choice]:
+        expected = "cache-affinity"
+    elif choice == owner and not any(matched.values()):
+        expected = "cold"
+    else:
+        expected = "load-spill"
+    assert ranking[0].reason == expected
+
+
+def test_route_reasons_say_what_the_router_knows():
+    """Issue 11: a fresh prompt is "cold" (it said "prefix-hit"), the same prompt again "cache-affinity"; a prompt
+    whose holder is over the load bound goes elsewhere as "load-spill"."""
+    ws = urls(3)
+    policy = PrefixHashPolicy(virtual_nodes=32, balance_abs_tokens=0)
+    policy.set_workers(ws)
+    key = key_of(11, (11, 22, 33), prompt_tokens=50)
+    first = policy.rank(key, idle(ws), 60)[0]
+    assert first.reason == "cold" and first.predicted_cached_tokens == 0
+    policy.record(first.worker, key)
+    again = policy.rank(key, idle(ws), 60)[0]
+    assert (again.worker, again.reason, again.predicted_cached_tokens) == (first.worker, "cache-affinity", 48)
+    loads = [WorkerLoad(u, inflight_tokens=10_000 if u == first.worker else 0) for u in ws]
+    spilled = policy.rank(key, loads, 60)[0]
+    assert spilled.worker != first.worker and spilled.reason == "load-spill"
 
 
 def test_no_key_routes_to_the_least_loaded():
@@ -371,7 +396,7 @@ def test_turn_n_plus_1_follows_turn_n_whenever_load_allows(extractor, system, co
             if c in last and fits(loads[last[c]], cost_on[last[c]], list(loads.values()), slack):
                 checked += 1
                 stuck += decision.worker == last[c]
-                assert decision.reason == "prefix-hit"
+                assert decision.reason == "cache-affinity"
             last[c] = decision.worker
             convs[c].append({"role": "assistant", "content": sentence(rng, 20)})
     # The loaded run really exercised the property; the absolute slack keeps most turns within the bound.
@@ -406,11 +431,11 @@ def test_shared_system_prompt_stays_on_its_worker_until_load_spills(extractor):
     policy.set_workers(ws)
     sim = LoadModel(policy, ws, concurrency=8)
     reasons, chosen = [], Counter()
-    for k in keys:
+    for i, k in enumerate(keys):
         decision, loads, cost_on = sim.route(k)
         chosen[decision.worker] += 1
         if fits(loads[owner], cost_on[owner], list(loads.values()), 0):
-            assert decision.worker == owner and decision.reason == "prefix-hit"
+            assert decision.worker == owner and decision.reason == ("cold" if i == 0 else "cache-affinity")
         else:
             assert decision.worker != owner
             reasons.append(decision.reason)

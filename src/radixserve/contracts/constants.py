@@ -55,7 +55,9 @@ def router_service_name(isvc: str) -> str:
 HEADER_REQUEST_ID = "x-request-id"
 HEADER_WORKER = "x-radixserve-worker"
 HEADER_ROUTE_REASON = "x-radixserve-route-reason"
-ROUTE_REASONS = ("prefix-hit", "load-spill", "fallback", "retry")
+# Why the router picked an engine (header value and decisions_total label): it holds / owns the prompt's prefix, nobody
+# holds any of it yet, the preferred engine was over its load bound, an earlier choice failed, a load-only policy.
+ROUTE_REASONS = ("cache-affinity", "cold", "load-spill", "retry", "fallback")
 
 # Engine endpoints
 ENGINE_HEALTH_PATH = "/health"
@@ -140,3 +142,6 @@ OPERATOR_COUNTERS = (
 OPERATOR_GAUGES = ("managed_inference_services",)
 OPERATOR_HISTOGRAMS = ("reconcile_duration_seconds",)
 ROUTER_HEALTH_PATH = "/health"
+ROUTER_LIVE_PATH = "/live"  # 200 while the router process serves; no engine state (Kubernetes router probes)
+# A router worker's state, in /health and the logs: pending (not admitted yet), healthy, ejected, probing (on trial).
+ROUTER_WORKER_STATES = ("pending", "healthy", "ejected", "probing")

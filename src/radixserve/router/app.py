@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` (proxied, see ``proxy.py``);
 ``GET /v1/models`` (aggregated over routable workers; an OpenAI-format 503 while none is), ``/v1/models/{model}``,
-``/health`` (200 while the router runs, with discovery age and every worker's state), ``/ready`` (200 when a worker is
-routable, else 503), ``/metrics``; ``readiness.py`` logs the ``ready:`` line. Like the engine's server
+``/live`` (200 while the process serves: the Kubernetes probes), ``/health`` (routability: ``ok``, ``degraded`` or, as
+a 503, ``unavailable``, with discovery age and every worker's state), ``/ready`` (200 when a worker is routable, else
+503), ``/metrics``; ``readiness.py`` logs the ``ready:`` line. Like the engine's server
 (engine/server/http.py), a pure-ASGI edge middleware assigns and echoes ``x-request-id``, enforces the body limit (413)
 and the optional bearer API key (401), and every error is the OpenAI error body.
 """
@@ -37,8 +38,10 @@ from radixserve.router.workers import WorkerPool
 
 logger = logging.getLogger("radixserve.router")
 
-# Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key).
-_OPEN_PATHS = frozenset({constants.ROUTER_HEALTH_PATH, constants.ROUTER_READY_PATH, "/metrics"})
+# Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key) and out of the access log.
+_OPEN_PATHS = frozenset(
+    {constants.ROUTER_LIVE_PATH, constants.ROUTER_HEALTH_PATH, constants.ROUTER_READY_PATH, "/metrics"}
+)
 _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
@@ -222,12 +225,18 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
             return _error_response(f"The model `{model}` does not exist.", 404, "model")
         return JSONResponse(found[0])
 
+    @app.get(constants.ROUTER_LIVE_PATH)
+    async def live() -> Response:
+        # The process serves requests; nothing about engines (a router without engines must not be restarted).
+        return JSONResponse({"status": "live"})
+
     @app.get(constants.ROUTER_HEALTH_PATH)
     async def health() -> JSONResponse:
         age = discovery.age_s()
+        status = routability(len(pool.routable(None)), len(pool.workers))
         return JSONResponse(
             {
-                "status": "ok",
+                "status": status,
                 "policy": args.policy,
                 "discovery": {
                     "kind": discovery.kind,
@@ -238,7 +247,8 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
                 "routable_workers": len(pool.routable(None)),
                 "prefix_keys": {m: ("tokens" if extractor.has_tokenizer(m) else "chars") for m in pool.models()},
                 "workers": [w.describe() for w in pool.workers.values()],
-            }
+            },
+            status_code=503 if status == "unavailable" else 200,
         )
 
     @app.get(constants.ROUTER_READY_PATH)
@@ -254,6 +264,14 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         return Response(content=content, media_type=content_type)
 
     return app
+
+
+def routability(routable: int, known: int) -> str:
+    """``/health``'s status: ``ok`` (every known worker routable, at least one), ``degraded`` (some),
+    ``unavailable`` (none; answered with 503)."""
+    if routable and routable >= known:
+        return "ok"
+    return "degraded" if routable else "unavailable"
 
 
 def _str_or_none(x: Any) -> str | None:
@@ -282,6 +300,7 @@ def run_router(args: RouterArgs) -> int:
         args.log_level,
         on_exit=end_requests_in_flight,
         access_log=False,
+        probe_paths=_OPEN_PATHS,
         backlog=8192,
         timeout_graceful_shutdown=5,
         limit_concurrency=None,

@@ -1,19 +1,26 @@
 """Router configuration: one dataclass with defaults that run on a laptop; flags are its fields in ``--kebab-case``.
 
 Times are in seconds, sizes in bytes, token counts in tokens. ``RouterArgs.validate()`` raises ``RouterConfigError``
-(a ``ValueError``) naming the flag at fault.
+(a ``ValueError``) naming the flag at fault. The two keys default from the environment (``API_KEY_ENV``,
+``ENGINE_API_KEY_ENV``), so they need not be on a command line, and ``--help`` never shows their values.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from radixserve.contracts import constants
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 UPSTREAM_TRANSPORTS = ("aiohttp", "httpx")
+# Environment variables behind --api-key (the key clients send; the engine's flag reads the same one) and
+# --engine-api-key (the key sent to the engines). A flag given on the command line wins; an empty value is no key.
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+ENGINE_API_KEY_ENV = "RADIXSERVE_ENGINE_API_KEY"
+_SECRET_ENV = {"api_key": API_KEY_ENV, "engine_api_key": ENGINE_API_KEY_ENV}
 
 
 class RouterConfigError(ValueError):
@@ -145,8 +152,8 @@ HELP: dict[str, str] = {
     "pending_probe_interval_s": "seconds between probes of a worker not admitted yet (still loading)",
     "eject_after_failures": "consecutive failures that eject a worker",
     "readmit_after_s": "seconds before an ejected worker is probed for readmission",
-    "api_key": "require 'Authorization: Bearer KEY' from clients (default: none)",
-    "engine_api_key": "API key sent to the engines (their --api-key; default: none)",
+    "api_key": f"require 'Authorization: Bearer KEY' from clients (default: ${API_KEY_ENV}, else none)",
+    "engine_api_key": f"API key sent to the engines, their --api-key (default: ${ENGINE_API_KEY_ENV}, else none)",
     "max_request_body_bytes": "largest request body in bytes; larger ones are answered 413",
     "max_connections": "pooled connections to the engines, all together",
     "discovery_relist_s": "seconds between full relists of the EndpointSlices",
@@ -172,12 +179,17 @@ def _choices(name: str) -> tuple[str, ...] | None:
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     """Add every ``RouterArgs`` field as a ``--kebab-case`` flag with its ``HELP`` line (``--worker-urls`` takes one
-    or more URLs; ``--policy``, ``--upstream-transport`` and ``--log-level`` list their choices)."""
+    or more URLs; ``--policy``, ``--upstream-transport`` and ``--log-level`` list their choices). ``--api-key`` and
+    ``--engine-api-key`` default to ``$RADIXSERVE_API_KEY`` / ``$RADIXSERVE_ENGINE_API_KEY``, read when the parser
+    is built."""
     for f in dataclasses.fields(RouterArgs):
         flag = "--" + f.name.replace("_", "-")
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         typ = str(f.type)
         help_text = HELP[f.name]
+        if f.name in _SECRET_ENV:  # a secret: never "(default: %(default)s)", which would print it
+            parser.add_argument(flag, type=str, default=os.environ.get(_SECRET_ENV[f.name]) or None, help=help_text)
+            continue
         if f.name == "worker_urls":
             parser.add_argument(flag, nargs="+", default=default, metavar="URL", help=help_text)
             continue

@@ -29,8 +29,10 @@ from starlette.types import Receive, Scope, Send
 
 from radixserve.contracts import constants
 from radixserve.contracts.edge import BODY_SCOPE_KEY, REQUEST_ID_SCOPE_KEY
+from radixserve.contracts.json_body import parse_json_object
 from radixserve.contracts.protocol import error_body, random_id
 from radixserve.contracts.sse import SSE_DONE, sse_error
+from radixserve.router.breaker import failure_reason, status_reason
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.types import PrefixKey, RouteDecision, RoutingPolicy
@@ -143,14 +145,8 @@ class Proxy:
 
     @staticmethod
     def _parse(raw: bytes) -> dict[str, Any] | str:
-        """The JSON object in ``raw``, or the message of the 400 to answer."""
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            return f"the request body is not valid JSON: {e}"
-        if not isinstance(body, dict):
-            return "the request body must be a JSON object"
-        return body
+        """The JSON object in ``raw``, or the message of the 400 to answer (the engine's, word for word)."""
+        return parse_json_object(raw)
 
     def _resolve_model(self, kind: Kind, body: dict[str, Any]) -> tuple[int, str]:
         """(0, model) or (HTTP status, error message)."""
@@ -373,24 +369,24 @@ class _Relay:
                 resp = await self._send(w)
             except _Dropped as e:
                 last_error = f"{w.url}: {e}"
-                p.pool.record_failure(w, str(e))
+                p.pool.record_failure(w, f"{e} on POST {self.path}")
                 await self._close()
                 continue
             except httpx.TimeoutException as e:  # read/write/pool timeout: the request may be running; no retry
-                p.pool.record_failure(w, f"timeout: {type(e).__name__}")
+                p.pool.record_failure(w, f"{failure_reason(e)} on POST {self.path}")
                 await self._close()
                 await p._error(send, 504, f"the engine {w.url} did not answer in time", self.model, worker=w.url)
                 self.counted = True
                 return
             except httpx.HTTPError as e:
-                p.pool.record_failure(w, f"{type(e).__name__}: {e}")
+                p.pool.record_failure(w, f"{failure_reason(e)} on POST {self.path}")
                 await self._close()
                 await p._error(send, 502, f"the engine {w.url} failed: {type(e).__name__}", self.model, worker=w.url)
                 self.counted = True
                 return
             self.resp = resp
             if resp.status_code >= 500:
-                p.pool.record_failure(w, f"answered {resp.status_code}")
+                p.pool.record_failure(w, status_reason(resp.status_code, "POST", self.path))
                 if resp.status_code == 503 and i + 1 < attempts:
                     last_error = f"{w.url}: answered 503"
                     await self._close()
@@ -424,12 +420,12 @@ class _Relay:
             # a proxy does not use (about a fifth of the router's CPU per request, measured).
             return await p.transport.handle_async_request(request)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            raise _Dropped(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
+            raise _Dropped(failure_reason(e)) from e
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
             # The connection closed or reset before any response byte: the engine died (a pooled connection to a
             # killed engine reads a reset), or it closed a keep-alive connection just as we reused it. Nothing was
             # answered, so the next candidate may serve it.
-            raise _Dropped(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
+            raise _Dropped(failure_reason(e)) from e
 
     async def _relay(self, send: Send, resp: httpx.Response, worker: str, reason: str) -> None:
         ctype = resp.headers.get("content-type", "")
@@ -459,7 +455,7 @@ class _Relay:
                         self.p.metrics.actual_cached.inc(cached)
         except httpx.HTTPError as e:  # the engine died or stalled mid-response: end the stream with an error event
             if self.worker is not None:
-                self.p.pool.record_failure(self.worker, f"mid-response: {type(e).__name__}")
+                self.p.pool.record_failure(self.worker, f"{failure_reason(e)} mid-response on POST {self.path}")
             logger.warning("engine %s failed mid-response: %s", worker, type(e).__name__)
             if sse:
                 await send(

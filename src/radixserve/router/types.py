@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-RouteReason = Literal["prefix-hit", "load-spill", "fallback", "retry"]
+# constants.ROUTE_REASONS, in the same order (tests/test_docs_contracts.py checks).
+RouteReason = Literal["cache-affinity", "cold", "load-spill", "retry", "fallback"]
 
 
 @dataclass(frozen=True)

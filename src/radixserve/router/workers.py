@@ -3,14 +3,11 @@
 ``WorkerPool`` keeps one ``WorkerState`` per engine URL. ``sync(endpoints)`` applies what discovery found: new workers
 start ``pending`` until their ``/health`` and ``/v1/models`` answer; removed workers are forgotten by the routing
 policy. An active probe task GETs every worker's ``/health`` each ``health_interval_s`` (a pending one, still loading,
-each ``pending_probe_interval_s``, so it is admitted soon after it can serve). A per-worker circuit breaker
-(Nygard, *Release It!*; as in Envoy's outlier detection) ejects a worker (``open``) after ``eject_after_failures``
-consecutive failures — failed probes, or proxied requests that could not connect or got a 5xx before the first byte —
-turns ``half-open`` (routable again, on trial) on the first successful probe after ``readmit_after_s`` and closes on
-the next probe or request success; a failure while half-open opens it again at once. Every probe re-reads the
-worker's models. For each model the pool fetches the tokenizer once from a
-worker serving it (the engine's ``/get_tokenizer_files``; 404 means "no tokenizer": the extractor keeps character
-blocks) and hands it to the prefix-key extractor.
+each ``pending_probe_interval_s``, so it is admitted soon after it can serve). Each worker's circuit breaker
+(``breaker.py``: ``healthy`` / ``ejected`` / ``probing``) takes the probes' and the proxied requests' outcomes; every
+state change is one log line with its reason (a WARNING, except a pending worker's admission). Every probe re-reads the
+worker's models, and a new model is routed on only once its tokenizer is settled (``tokenizer_fetch.py``: fetched
+once per model from a worker serving it, for the prefix-key extractor).
 """
 
 from __future__ import annotations
@@ -19,39 +16,54 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
 from radixserve.contracts import constants
+from radixserve.router.breaker import (
+    PENDING_WARN_S,
+    Breaker,
+    Transition,
+    WorkerHealthState,
+    failure_reason,
+    status_reason,
+)
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
+from radixserve.router.tokenizer_fetch import TokenizerFetcher, TokenizerNotReady
 from radixserve.router.types import Endpoint, RoutingPolicy, WorkerLoad
 
 logger = logging.getLogger("radixserve.router.workers")
-
-BreakerState = Literal["pending", "closed", "open", "half-open"]
 
 
 @dataclass
 class WorkerState:
     """One engine. ``load`` is the view a policy ranks (in-flight requests and tokens, updated in place).
 
-    ``state``: ``pending`` (models not read yet), ``closed`` (healthy), ``open`` (ejected), ``half-open`` (on trial);
-    ``consecutive_failures`` counts probe and request failures since the last success.
+    ``breaker`` holds its state (``pending``, ``healthy``, ``ejected``, ``probing``) and its consecutive failures.
     """
 
     url: str
     endpoint: Endpoint
     load: WorkerLoad
+    breaker: Breaker = field(default_factory=Breaker)
     models: tuple[str, ...] = ()
-    state: BreakerState = "pending"
-    consecutive_failures: int = 0
-    opened_at: float = 0.0  # monotonic seconds when the breaker last opened
-    last_error: str | None = None
     removed: bool = False
     model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> its /v1/models entry
     gauges: tuple[Any, Any] | None = field(default=None, repr=False)  # (in-flight requests, tokens) gauge children
+
+    @property
+    def state(self) -> WorkerHealthState:
+        return self.breaker.state
+
+    @property
+    def consecutive_failures(self) -> int:
+        return self.breaker.consecutive_failures
+
+    @property
+    def last_error(self) -> str | None:
+        return self.breaker.last_error
 
     @property
     def inflight_requests(self) -> int:
@@ -76,17 +88,6 @@ class WorkerState:
         }
 
 
-@dataclass
-class _TokenizerFetch:
-    done: bool = False  # a tokenizer was set, or the engines said they have none (404), or we gave up
-    task: asyncio.Task[None] | None = None
-    failures: int = 0
-
-
-# Transient tokenizer-fetch failures tolerated before a model routes on character blocks for good.
-_TOKENIZER_ATTEMPTS = 3
-
-
 class WorkerPool:
     """All known workers, their health, and their per-model tokenizers.
 
@@ -104,11 +105,12 @@ class WorkerPool:
         self.client = client
         self.workers: dict[str, WorkerState] = {}
         self._headers = {"authorization": f"Bearer {args.engine_api_key}"} if args.engine_api_key else {}
-        self._tokenizers: dict[str, _TokenizerFetch] = {}
+        self._tokenizers = TokenizerFetcher(client, self._headers, extractor, max(args.connect_timeout_s, 30.0))
         self._probe_task: asyncio.Task[None] | None = None
         self._pending_probes: set[asyncio.Task[None]] = set()
         self._routable_cache: dict[str | None, list[WorkerState]] = {}
         self._models_cache: frozenset[str] | None = None
+        self.pending_warn_s = PENDING_WARN_S  # seconds pending before the one "not admitted" warning
 
     # ------------------------------------------------------------------------------------------------ membership
     def sync(self, endpoints: dict[str, Endpoint]) -> None:
@@ -130,6 +132,7 @@ class WorkerPool:
                 url=url,
                 endpoint=ep,
                 load=WorkerLoad(url=url),
+                breaker=Breaker(self.args.eject_after_failures, self.args.readmit_after_s, created_at=time.monotonic()),
                 gauges=(self.metrics.inflight_requests.labels(url), self.metrics.inflight_tokens.labels(url)),
             )
             logger.info("worker %s added (pending)", url)
@@ -171,16 +174,12 @@ class WorkerPool:
 
     # ------------------------------------------------------------------------------------------------ queries
     def routable(self, model: str | None) -> list[WorkerState]:
-        """Workers that may take a request for ``model`` now (closed or half-open, serving it); ``None`` = any model.
+        """Workers that may take a request for ``model`` now (healthy or probing, serving it); ``None`` = any model.
         Cached until a state or membership change."""
         cached = self._routable_cache.get(model)
         if cached is not None:
             return cached
-        out = [
-            w
-            for w in self.workers.values()
-            if w.state in ("closed", "half-open") and (model is None or model in w.models)
-        ]
+        out = [w for w in self.workers.values() if w.breaker.routable and (model is None or model in w.models)]
         self._routable_cache[model] = out
         return out
 
@@ -195,39 +194,46 @@ class WorkerPool:
         return sorted({m for w in self.routable(None) for m in w.models})
 
     # ------------------------------------------------------------------------------------------------ breaker
-    def _half_open_due(self, w: WorkerState) -> bool:
-        return w.state == "open" and time.monotonic() - w.opened_at >= self.args.readmit_after_s
+    def record_success(self, w: WorkerState, probe: bool = False) -> None:
+        """A probe (``probe``) or a proxied request reached ``w`` and got an answer that is not a 5xx. Only a probe
+        admits a pending worker or readmits an ejected one: a probe has just re-read its models (regression: a
+        time-based readmission sent trial traffic to a restarted engine under its old model list)."""
+        self._on_transition(w, w.breaker.success(time.monotonic(), probe))
 
-    def record_success(self, w: WorkerState) -> None:
-        """A probe or a proxied request reached ``w`` and got an answer that is not a 5xx.
-
-        Re-admission goes through probes: an ejected (open) worker turns half-open (routable, on trial) only on a
-        successful probe after ``readmit_after_s`` — a probe that has just re-read its models (regression: a
-        time-based half-open sent trial traffic to a restarted engine under its old model list) — and closed on the
-        next success."""
-        w.consecutive_failures = 0
-        w.last_error = None
-        if w.state == "half-open":
-            w.state = "closed"
-            logger.info("worker %s re-admitted", w.url)
-            self._changed()
-        elif w.state == "open" and self._half_open_due(w):
-            w.state = "half-open"
-            logger.info("worker %s half-open (on trial)", w.url)
-            self._changed()
-
-    def record_failure(self, w: WorkerState, error: str) -> None:
-        """A probe failed, or a proxied request could not connect / got a 5xx before the first byte."""
-        w.consecutive_failures += 1
-        w.last_error = error
-        if w.state == "half-open" or (w.state == "closed" and w.consecutive_failures >= self.args.eject_after_failures):
-            w.state = "open"
-            w.opened_at = time.monotonic()
-            self.metrics.ejections.inc()
+    def record_failure(self, w: WorkerState, reason: str, definite: bool = False) -> None:
+        """A probe failed, or a proxied request could not connect / got a 5xx before the first byte. ``reason`` is the
+        log's wording (``breaker.failure_reason`` / ``status_reason``); ``definite``: the engine answered and refused,
+        which ejects a pending worker at once."""
+        now = time.monotonic()
+        self._on_transition(w, w.breaker.failure(reason, now, definite))
+        if w.breaker.overdue(now, self.pending_warn_s) and not w.removed:
             logger.warning(
-                "worker %s ejected after %d consecutive failures (last: %s)", w.url, w.consecutive_failures, error
+                "worker %s not admitted after %.0f s: %s (an engine still loading, or none at this URL)",
+                w.url,
+                now - w.breaker.created_at,
+                reason,
             )
-            self._changed()
+
+    def _on_transition(self, w: WorkerState, t: Transition | None) -> None:
+        """One log line per state change (never per failed probe), and the ejection counter."""
+        if t is None or w.removed:
+            return
+        self._changed()
+        if t.new == "ejected":
+            self.metrics.ejections.inc()
+            if t.old == "probing":
+                tail = " (failed while on trial)"
+            else:
+                tail = f" ({t.failures} failures in a row)" if t.failures > 1 else ""
+            logger.warning("worker %s ejected: %s%s", w.url, t.reason, tail)
+        elif t.new == "probing":
+            logger.warning(
+                "worker %s probing: it answers its probes again after %.1f s; routable on trial", w.url, t.down_s or 0.0
+            )
+        elif t.old == "pending":
+            logger.info("worker %s ready", w.url)  # the normal start-up admission, not a warning
+        else:
+            logger.warning("worker %s healthy again after %.1f s", w.url, t.down_s or 0.0)
 
     # ------------------------------------------------------------------------------------------------ probes
     async def start(self) -> None:
@@ -237,11 +243,7 @@ class WorkerPool:
 
     async def stop(self) -> None:
         """Stop probes and tokenizer fetches."""
-        tasks = [
-            t
-            for t in [self._probe_task, *self._pending_probes, *(f.task for f in self._tokenizers.values())]
-            if t is not None
-        ]
+        tasks = [t for t in [self._probe_task, *self._pending_probes, *self._tokenizers.tasks()] if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -285,7 +287,7 @@ class WorkerPool:
         try:
             r = await self.client.get(w.url + constants.ENGINE_HEALTH_PATH, timeout=timeout)
             if r.status_code != 200:
-                raise _ProbeError(f"/health answered {r.status_code}")
+                raise _ProbeError.answered(r.status_code, constants.ENGINE_HEALTH_PATH)
             # Every probe re-reads the models: the URL may now be a new process (a restart, a reused pod IP)
             # serving others (regression: the old list stayed; requests for it got the engine's 404).
             models, cards = await self._read_models(w, timeout)
@@ -294,107 +296,57 @@ class WorkerPool:
                 # before the tokenizer arrived would differ from later token-block keys, splitting a conversation's
                 # turns across workers (regression: turn 2 of a chat landed on the other engine).
                 for model in models:
-                    await self._tokenizer_settled(model, w)
+                    await self._tokenizers.settled(model, w.url)
                 if w.removed:
                     return
                 logger.info("worker %s serves %s", w.url, ", ".join(models))
                 w.models, w.model_cards = models, cards
                 self._changed()
-            if w.state == "pending":
-                w.state = "closed"
-                w.consecutive_failures = 0
-                w.last_error = None
-                logger.info("worker %s ready", w.url)
-                self._changed()
-            else:
-                self.record_success(w)
-        except (httpx.HTTPError, _ProbeError, ValueError, KeyError, TypeError, AttributeError) as e:
-            if w.removed:
-                return
-            if w.state == "pending":
-                w.consecutive_failures += 1
-                w.last_error = _describe(e)
-            else:
-                self.record_failure(w, "probe: " + _describe(e))
+            self.record_success(w, probe=True)
+        except _ProbeError as e:
+            self.record_failure(w, str(e), e.definite)
+            return
+        except TokenizerNotReady as e:
+            self.record_failure(w, str(e))
+            return
+        except httpx.HTTPError as e:  # no answer: not listening (yet, or any more), or too slow
+            self.record_failure(w, f"{failure_reason(e)} on GET {_request_path(e)}")
+            return
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # an answer, but not an engine's
+            self.record_failure(w, f"GET /v1/models: not an OpenAI model list ({_describe(e)})", definite=True)
             return
         for model in w.models:
-            self._ensure_tokenizer(model, w)
+            self._tokenizers.ensure(model, w.url)
 
     async def _read_models(self, w: WorkerState, timeout: float) -> tuple[tuple[str, ...], dict[str, Any]]:
         """``(model ids, model cards by id)`` from ``w``'s ``/v1/models``. Raises _ProbeError / httpx errors."""
         r = await self.client.get(w.url + "/v1/models", headers=self._headers, timeout=timeout)
         if r.status_code != 200:
-            raise _ProbeError(f"/v1/models answered {r.status_code}")
+            raise _ProbeError.answered(r.status_code, "/v1/models")
         cards = {m["id"]: m for m in r.json().get("data", []) if isinstance(m.get("id"), str)}
         if not cards:
-            raise _ProbeError("/v1/models listed no model")
+            raise _ProbeError("GET /v1/models listed no model", definite=True)
         return tuple(cards), cards
-
-    # ------------------------------------------------------------------------------------------------ tokenizers
-    def _ensure_tokenizer(self, model: str, w: WorkerState) -> _TokenizerFetch:
-        f = self._tokenizers.setdefault(model, _TokenizerFetch())
-        if f.done or (f.task is not None and not f.task.done()) or self.extractor.has_tokenizer(model):
-            return f
-        f.task = asyncio.get_running_loop().create_task(self._fetch_tokenizer(model, w, f))
-        return f
-
-    async def _tokenizer_settled(self, model: str, w: WorkerState) -> None:
-        """Wait for this attempt to fetch ``model``'s tokenizer from ``w`` (never raises; a failed attempt leaves
-        ``done`` False and the worker pending until the next probe, at most ``_TOKENIZER_ATTEMPTS`` times)."""
-        f = self._ensure_tokenizer(model, w)
-        if f.task is not None and not f.task.done():
-            await asyncio.shield(f.task)
-        if not f.done and not self.extractor.has_tokenizer(model):
-            raise _ProbeError(f"tokenizer for {model} not loaded yet")
-
-    async def _fetch_tokenizer(self, model: str, w: WorkerState, f: _TokenizerFetch) -> None:
-        try:
-            r = await self.client.get(
-                w.url + constants.ENGINE_TOKENIZER_FILES_PATH,
-                headers=self._headers,
-                timeout=max(self.args.connect_timeout_s, 30.0),
-            )
-            if r.status_code == 404:
-                f.done = True  # this engine has no servable tokenizer: character blocks for this model
-                logger.info("model %s: no tokenizer from %s; routing on character blocks", model, w.url)
-                return
-            if r.status_code != 200:
-                f.failures += 1
-                if f.failures >= _TOKENIZER_ATTEMPTS:
-                    f.done = True
-                    logger.warning(
-                        "model %s: %s answered %d for its tokenizer %d times; routing on character blocks",
-                        model,
-                        w.url,
-                        r.status_code,
-                        f.failures,
-                    )
-                return  # try again on the next probe
-            files = r.json().get("files")
-            if not isinstance(files, dict) or not files:
-                f.done = True
-                return
-            from radixserve.router.tokenizer import tokenizer_from_files
-
-            tokenizer = await asyncio.to_thread(tokenizer_from_files, files)
-            self.extractor.set_tokenizer(model, tokenizer)
-            f.done = True
-            logger.info("model %s: tokenizer from %s; routing on token blocks", model, w.url)
-        except asyncio.CancelledError:
-            raise
-        except httpx.TransportError as e:  # the engine went away mid-fetch: try again on the next probe
-            f.failures += 1
-            f.done = f.failures >= _TOKENIZER_ATTEMPTS
-            logger.info("model %s: tokenizer fetch from %s failed: %s", model, w.url, _describe(e))
-        except Exception as e:  # a broken tokenizer must not stop routing: character blocks stay
-            f.done = True
-            logger.warning(
-                "model %s: tokenizer from %s unusable (%s); routing on character blocks", model, w.url, _describe(e)
-            )
 
 
 class _ProbeError(Exception):
-    pass
+    """A probe got an answer that does not admit the worker. ``definite``: the engine is up and refused (a 4xx, no
+    model), as opposed to an engine still starting or shutting down (5xx) or a tokenizer not fetched yet."""
+
+    def __init__(self, reason: str, definite: bool = False) -> None:
+        super().__init__(reason)
+        self.definite = definite
+
+    @classmethod
+    def answered(cls, status: int, path: str) -> _ProbeError:
+        return cls(status_reason(status, "GET", path), definite=400 <= status < 500)
+
+
+def _request_path(e: httpx.HTTPError) -> str:
+    try:
+        return e.request.url.path
+    except RuntimeError:  # an error raised outside a request
+        return "?"
 
 
 def _describe(e: BaseException) -> str:

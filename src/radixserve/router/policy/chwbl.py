@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from hashlib import blake2b
 
 from radixserve.router.policy.simple import IndexedPolicy, load_order
-from radixserve.router.types import PrefixKey, RouteDecision, WorkerLoad
+from radixserve.router.types import PrefixKey, RouteDecision, RouteReason, WorkerLoad
 
 
 def ring_hash(label: str) -> int:
@@ -87,9 +87,12 @@ class PrefixHashPolicy(IndexedPolicy):
 
     def rank(self, key: PrefixKey | None, workers: Sequence[WorkerLoad], cost_tokens: int) -> list[RouteDecision]:
         """Every worker once: the choice (first fitting worker clockwise from the key, or a fitting worker with a
-        strictly longer predicted prefix match), then the rest in ring-walk order. Reason "prefix-hit" when the
-        choice is the key's ring owner or holds a predicted prefix of the prompt, "load-spill" otherwise; least
-        loaded first, reason "fallback", when ``key`` is None or no worker fits."""
+        strictly longer predicted prefix match), then the rest in ring-walk order, each with its ``reason``:
+        ``cache-affinity`` when it is predicted to hold part of this prompt (``PrefixIndex``: this router sent it the
+        prompt's first block before); ``cold`` when it is the key's owner and no worker is predicted to hold any of
+        the prompt (a fresh prompt, or one shorter than a block); ``load-spill`` otherwise (the owner, or the worker
+        holding the prompt, was over its load bound). Least loaded first, reason ``fallback``, when ``key`` is None
+        or no worker fits."""
         if not workers:
             return []
         if key is None:
@@ -99,11 +102,23 @@ class PrefixHashPolicy(IndexedPolicy):
         total = sum(w.inflight_tokens for w in by_url.values())
         least = min(w.inflight_tokens for w in by_url.values())
         n = len(by_url)
+        matched = {url: self.index.match(url, key.blocks) for url in order}
+        held = any(matched.values())
 
         def fits(url: str) -> bool:
             load = by_url[url].inflight_tokens
             cost = max(0, cost_tokens - self.predicted_cached_tokens(url, key))
             return load + cost <= self.load_factor * (total + cost) / n or load - least <= self.balance_abs_tokens
+
+        def reason(url: str) -> RouteReason:
+            # Words for what the router knows, not what the engine will find: the engine's own count of cached
+            # tokens is in its usage (radixserve_router_actual_cached_tokens_total), after the fact.
+            if matched[url]:
+                return "cache-affinity"
+            if url != owner:
+                return "load-spill"
+            # The owner holding none of it while another worker holds some: that worker was over its bound.
+            return "load-spill" if held else "cold"
 
         fitting = [u for u in order if fits(u)]
         owner = order[0]
@@ -111,17 +126,9 @@ class PrefixHashPolicy(IndexedPolicy):
             choice = min(by_url.values(), key=load_order).url
             first = self.decide(choice, "fallback", key)
         else:
-            choice = fitting[0]
             # Affinity: a fitting worker that holds more of this prompt wins (turn n+1 of a short conversation, whose
             # first K blocks are still growing, stays on turn n's worker).
-            best = self.index.match(choice, key.blocks)
-            for url in fitting[1:]:
-                matched = self.index.match(url, key.blocks)
-                if matched > best:
-                    best, choice = matched, url
-            # "prefix-hit": the key's owner, or the fitting worker predicted to hold the most of this prompt;
-            # "load-spill": the owner was full and no fitting worker holds any of it.
-            reason = "prefix-hit" if choice == owner or best > 0 else "load-spill"
-            first = self.decide(choice, reason, key)  # type: ignore[arg-type]
-        rest = [self.decide(u, "prefix-hit" if u == owner else "load-spill", key) for u in order if u != choice]
+            choice = max(fitting, key=lambda u: matched[u])  # the first of the longest matches, in ring order
+            first = self.decide(choice, reason(choice), key)
+        rest = [self.decide(u, reason(u), key) for u in order if u != choice]
         return [first, *rest]
