@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.contracts import constants
+from radixserve.engine.memory import sizing
 from radixserve.engine.scheduler.policy import POLICIES as SCHEDULE_POLICIES
 
 # Closed value sets of engine flags (argparse ``choices``). Kept here, free of torch, so ``--help`` and the parser
@@ -17,6 +19,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# The environment variable --api-key defaults from, so a key need not be on a command line (visible in ps).
+API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
 @dataclass
@@ -32,6 +36,8 @@ class EngineArgs:
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # default: the model's max_position_embeddings
     max_total_tokens: int | None = None  # KV pool size in tokens; default from memory budget
+    # Fraction of the device's memory that weights + KV pool may take (SGLang's); engine/memory/sizing.py
+    mem_fraction_static: float | None = None
     max_running_requests: int = 64
     max_queued_requests: int = 256
     max_prefill_tokens: int = 4096
@@ -41,10 +47,13 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     num_threads: int | None = None  # torch intra-op threads (CPU)
     stream_interval: int = 1  # tokens between streamed chunks
+    decode_log_interval: int = 40  # decode steps between "Decode batch." stats lines (SGLang's)
     max_request_body_bytes: int = 8 * 1024 * 1024
     api_key: str | None = None
     log_level: str = "info"
     warmup: bool = True
+    # Jinja chat template (a file, or the template itself) replacing the tokenizer's; engine/tokenizer/chat_template.py
+    chat_template: str | None = None
     # JSON object of sampling defaults for fields a request leaves unset (SGLang's --preferred-sampling-params),
     # e.g. '{"temperature": 0.2, "top_p": 0.9}' as the SmolLM2 model card recommends.
     preferred_sampling_params: str | None = None
@@ -92,6 +101,7 @@ _MIN_INT = {
     "chunked_prefill_size": 1,
     "num_threads": 1,
     "stream_interval": 1,
+    "decode_log_interval": 1,
     "max_request_body_bytes": 1,
     "default_chat_max_tokens": 1,
 }
@@ -103,10 +113,18 @@ HELP: dict[str, str] = {
     "served_model_name": "model name in the OpenAI API (default: the model directory's name)",
     "host": "address to listen on",
     "port": "port to listen on",
-    "dtype": "weight and activation dtype (fp32, bf16, fp16 and half are aliases)",
+    "dtype": "weight and activation dtype: float32, bfloat16 or float16 (fp32, bf16, fp16 and half are aliases); "
+    "auto: bfloat16 on CUDA and on CPUs with avx512_bf16, else float32",
     "device": "device (auto: cuda when available, else cpu)",
     "context_length": "longest prompt + completion in tokens (default: the model's max_position_embeddings)",
-    "max_total_tokens": "KV cache pool size in tokens (default: from the memory budget)",
+    "max_total_tokens": "KV cache pool size in tokens; wins over --mem-fraction-static (default: from the memory: "
+    "see --mem-fraction-static)",
+    "mem_fraction_static": "fraction (0-1) of the memory that the weights and the KV cache pool may take (SGLang's): "
+    f"pool = fraction x memory - weights; memory is the GPU's total on CUDA (default {sizing.CUDA_DEFAULT_MEM_FRACTION}"
+    "), the memory limit on CPU (the cgroup limit, else MemTotal). Default on CPU: a "
+    f"{sizing.CPU_KV_BUDGET_BYTES // sizing.GiB} GiB pool, at most {sizing.CPU_MAX_TOTAL_TOKENS} tokens, with weights "
+    f"+ pool within {sizing.CPU_DEFAULT_MEM_FRACTION} of the memory limit. Memory that leaves less than one "
+    "context of KV is a start-up error",
     "max_running_requests": "most requests decoded in one batch",
     "max_queued_requests": "most requests waiting; more are answered 429",
     "max_prefill_tokens": "most prompt tokens prefilled in one forward pass",
@@ -116,10 +134,14 @@ HELP: dict[str, str] = {
     "attention_backend": "attention kernels (auto: flashinfer on CUDA when it imports, else torch)",
     "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
     "stream_interval": "tokens between streamed chunks",
+    "decode_log_interval": "decode steps between the 'Decode batch.' stats lines (logged at INFO while there is work)",
     "max_request_body_bytes": "largest request body in bytes; larger ones are answered 413",
-    "api_key": "require 'Authorization: Bearer KEY' on every request but health probes and metrics",
+    "api_key": "require 'Authorization: Bearer KEY' on every request but health probes and metrics (default: the "
+    f"{API_KEY_ENV} environment variable, which keeps the key off the command line)",
     "log_level": "log level (case-insensitive)",
     "warmup": "run a warmup forward pass before serving (--no-warmup: skip it)",
+    "chat_template": "Jinja chat template replacing the tokenizer's: a file path, or the template text itself "
+    "(default: the tokenizer's)",
     "preferred_sampling_params": "JSON object of sampling defaults for fields a request leaves unset, "
     "e.g. '{\"temperature\": 0.2}'",
     "default_chat_max_tokens": "compatibility: chat max_tokens when a request sends none (default: all the room "
@@ -138,15 +160,19 @@ HELP: dict[str, str] = {
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add every ``EngineArgs`` field as a ``--kebab-case`` flag with its ``HELP`` line.
 
-    A boolean that defaults to on (``warmup``) gets ``--no-...`` too, so it can be turned off."""
+    A boolean that defaults to on (``warmup``) gets ``--no-...`` too, so it can be turned off. ``--api-key`` defaults
+    to ``$RADIXSERVE_API_KEY`` (read when the parser is built; an empty value is no key), and its help never shows
+    the value."""
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         help_text = HELP[f.name] + (" (default: %(default)s)" if f.default is not None else "")
         if f.type in ("bool", bool):
             action = argparse.BooleanOptionalAction if f.default else "store_true"
             parser.add_argument(flag, action=action, default=f.default, help=HELP[f.name])
+        elif f.name == "api_key":  # a secret: no %(default)s
+            parser.add_argument(flag, type=str, default=os.environ.get(API_KEY_ENV) or None, help=HELP[f.name])
         else:
-            typ: Callable[[str], object] = int if "int" in str(f.type) else str
+            typ: Callable[[str], object] = int if "int" in str(f.type) else float if "float" in str(f.type) else str
             if f.name == "log_level":
                 typ = str.lower  # --log-level INFO is info
             parser.add_argument(flag, type=typ, default=f.default, choices=CHOICES.get(f.name), help=help_text)
@@ -154,7 +180,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_engine_args(args: EngineArgs) -> None:
     """Raise ``ValueError`` naming the flag for a value no engine can run with (a value outside a flag's choices,
-    or an integer below its least valid value). ``EngineArgs()`` passes."""
+    an integer below its least valid value, a memory fraction outside (0, 1), a chat template that is a missing file
+    or does not compile). ``EngineArgs()`` passes."""
     for name, choices in CHOICES.items():
         value = getattr(args, name)
         if value is not None and value not in choices:
@@ -166,6 +193,13 @@ def validate_engine_args(args: EngineArgs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if args.port > 65535:
         raise ValueError(f"--port {args.port} is not a TCP port")
+    f = args.mem_fraction_static
+    if f is not None and not 0 < f < 1:
+        raise ValueError(f"--mem-fraction-static must be between 0 and 1 (exclusive), got {f}")
+    if args.chat_template is not None:
+        from radixserve.engine.tokenizer.chat_template import load_chat_template
+
+        load_chat_template(args.chat_template)
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

@@ -21,6 +21,7 @@ from radixserve.engine.grammar.xgrammar_backend import GrammarBackend
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, SamplingParams
 from radixserve.engine.metrics import EngineMetrics
 from radixserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from radixserve.engine.tokenizer.chat_template import apply_chat_template_flag
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Engine:
         self.served_model_name = args.served_model_name or default_served_model_name(args.model_path)
         t0 = time.monotonic()
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        apply_chat_template_flag(self.tokenizer, args.chat_template)
         # Every torch op of this engine (load, warm-up, scheduler loop) runs on this one thread; see Scheduler.start.
         self._torch_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-engine")
         self.runner = self._torch_thread.submit(
@@ -102,6 +104,7 @@ class Engine:
             device=args.device,
             attention_backend=args.attention_backend,
             max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
             context_length=args.context_length,
             num_threads=args.num_threads,
         ).result()
@@ -129,6 +132,7 @@ class Engine:
                 disable_radix_cache=args.disable_radix_cache,
                 context_length=self.context_length,
                 stream_interval=args.stream_interval,
+                decode_log_interval=args.decode_log_interval,
             ),
             self.eos_token_ids,
             self._emit,

@@ -6,11 +6,25 @@ The scheduler thread updates them; ``GET /metrics`` renders them.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from radixserve.contracts import constants
 
 P = constants.ENGINE_METRIC_PREFIX
+
+# No ``*_created`` series: one per counter and histogram child, they doubled the scrape and nothing reads them.
+# Process-wide in prometheus_client, so each wing's metrics module turns it off where its registry is made.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Seconds; spans a sub-10 ms GPU token to a multi-second CPU prefill.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -44,7 +58,8 @@ _DOCS = {
 class EngineMetrics:
     """All engine metrics, each already bound to ``model_name``; attributes carry the contract names.
 
-    Gauges: ``.set(x)``; counters: ``.inc(n)``; histograms: ``.observe(seconds)``.
+    Gauges: ``.set(x)``; counters: ``.inc(n)``; histograms: ``.observe(seconds)``. Without ``registry``, a new one
+    that also holds the process metrics (``process_*``, ``python_info``).
     """
 
     # Set by __init__ from the constants.ENGINE_* name lists; declared here for the type checker.
@@ -71,7 +86,13 @@ class EngineMetrics:
     grammar_compile_seconds: Histogram
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
-        self.registry = registry if registry is not None else CollectorRegistry()
+        if registry is None:
+            registry = CollectorRegistry()
+            # process_resident_memory_bytes, process_cpu_seconds_total, ... and python_info, as every exporter has;
+            # only in a registry of our own (a shared one may hold them already: registering twice raises).
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+        self.registry = registry
         self.model_name = model_name
         for name in constants.ENGINE_GAUGES:
             g = Gauge(P + name, _DOCS[name], ["model_name"], registry=self.registry)

@@ -5,7 +5,9 @@
 - ``reconcile_errors_total{kind,reason}``: failed reconciles by trigger and error ``reason`` (the HTTP status or the
   exception type, e.g. ``http_409``, ``TemporaryError``);
 - ``reconcile_duration_seconds``: histogram of one reconcile's wall time (seconds);
-- ``managed_inference_services``: InferenceServices the operator currently reconciles (valid or not).
+- ``managed_inference_services``: InferenceServices the operator currently reconciles (valid or not);
+- the process metrics (``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ..., ``python_info``); no
+  ``*_created`` series.
 
 One ``OperatorMetrics`` object per operator, with its own ``CollectorRegistry`` (no process-global metrics), served
 by ``serve()`` together with ``/healthz`` on the same port (constants.OPERATOR_METRICS_PORT by default). /healthz is
@@ -20,7 +22,17 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from radixserve.contracts import constants
 
@@ -30,12 +42,17 @@ P = constants.OPERATOR_METRIC_PREFIX
 RECONCILE_KINDS = ("create", "update", "resume", "timer", "child")
 RECONCILE_RESULTS = ("success", "invalid_spec", "error")
 
+# No ``*_created`` series (one per counter and histogram child; nothing reads them). Process-wide in prometheus_client.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
 
 class OperatorMetrics:
     """The operator's metrics in their own registry (module doc for names and labels)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        PlatformCollector(registry=self.registry)  # python_info
         reconciles, errors = constants.OPERATOR_COUNTERS
         (managed,) = constants.OPERATOR_GAUGES
         (duration,) = constants.OPERATOR_HISTOGRAMS

@@ -4,17 +4,29 @@ Counters: ``requests_total{model,code}``, ``decisions_total{reason}``, ``retries
 ``predicted_cached_tokens_total``, ``actual_cached_tokens_total``. Gauges: ``worker_inflight_requests{worker}``,
 ``worker_inflight_tokens{worker}``, ``discovery_age_seconds`` (read at scrape time). Histograms (seconds):
 ``request_duration_seconds``, ``ttft_seconds``. All carry the ``radixserve_router_`` prefix; docs/contracts.md lists
-them.
+them. The registry also holds the process metrics (``process_*``, ``python_info``); no ``*_created`` series.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from radixserve.contracts.constants import ROUTER_METRIC_PREFIX as P
+
+# No ``*_created`` series (one per counter and histogram child; nothing reads them). Process-wide in prometheus_client.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Latency buckets in seconds: sub-millisecond (router-only errors) up to long generations.
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -27,6 +39,8 @@ class RouterMetrics:
     def __init__(self, discovery_age: Callable[[], float | None] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        PlatformCollector(registry=r)  # python_info
         self.requests = Counter(
             P + "requests_total", "Requests answered, by model and HTTP status", ["model", "code"], registry=r
         )

@@ -7,6 +7,7 @@ float32 logits of each sequence's last new token. Same role as nano-vllm's ``Mod
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -15,16 +16,13 @@ import torch
 
 from radixserve.engine.attention.base import create_attention_backend
 from radixserve.engine.memory.kv_pool import KVPool
+from radixserve.engine.memory.sizing import PoolSize, memory_limit_bytes, size_kv_pool
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_weights
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_BUDGET_BYTES = 2 * 1024**3  # default KV pool budget on CPU
-CPU_MAX_TOTAL_TOKENS = 200_000
-CUDA_KV_MEM_FRACTION = 0.85  # of the free memory left after weights
 
 _DTYPES = {
     "float32": torch.float32,
@@ -78,12 +76,15 @@ class ModelRunner:
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16``.
         device: ``auto`` | ``cpu`` | ``cuda`` (``cuda:N``).
         attention_backend: ``auto`` | ``torch`` | ``flashinfer``.
-        max_total_tokens: usable KV slots; default CPU: min(200k, 2 GiB / bytes per token), CUDA: 85% of free memory.
+        max_total_tokens: usable KV slots (wins over ``mem_fraction_static``).
+        mem_fraction_static: fraction of the device's memory for weights + KV pool (SGLang's); default and rule in
+            ``engine/memory/sizing.py`` (CUDA 0.9 of the GPU; CPU a 2 GiB pool within the memory limit).
         context_length: longest sequence (RoPE table size); default the model's ``max_position_embeddings``.
         num_threads: ``torch.set_num_threads`` when given.
 
     Raises:
-        ValueError: unsupported architecture / dtype / device / backend; FileNotFoundError: no weights.
+        ValueError: unsupported architecture / dtype / device / backend, a KV pool that cannot hold one context;
+            FileNotFoundError: no weights.
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class ModelRunner:
         max_total_tokens: int | None = None,
         context_length: int | None = None,
         num_threads: int | None = None,
+        mem_fraction_static: float | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -118,11 +120,11 @@ class ModelRunner:
             self.device,
             time.perf_counter() - t0,
         )
-        if max_total_tokens is None:
-            max_total_tokens = self._default_max_total_tokens()
-        if max_total_tokens < 1:
+        if max_total_tokens is not None and max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
-        self.max_total_tokens = int(max_total_tokens)
+        pool = self._size_kv_pool(max_total_tokens, mem_fraction_static)
+        logger.info("KV pool size from %s", pool.rule)
+        self.max_total_tokens = pool.tokens
         self.kv_pool = KVPool(
             self.max_total_tokens + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
@@ -136,13 +138,28 @@ class ModelRunner:
             attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
 
-    def _default_max_total_tokens(self) -> int:
+    def weight_bytes(self) -> int:
+        """Bytes of the loaded parameters and buffers (a tied embedding counted once)."""
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _size_kv_pool(self, max_total_tokens: int | None, mem_fraction_static: float | None) -> PoolSize:
+        """The pool from the flags and the memory after the load (``size_kv_pool``; raises its ValueError)."""
         cfg = self.model_config
-        per_token = KVPool.bytes_per_token_for(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(1, int(free * CUDA_KV_MEM_FRACTION) // per_token)
-        return max(1, min(CPU_MAX_TOTAL_TOKENS, CPU_KV_BUDGET_BYTES // per_token))
+            free, memory = torch.cuda.mem_get_info(self.device)
+            used = memory - free
+        else:
+            memory, used = memory_limit_bytes(), self.weight_bytes()
+        return size_kv_pool(
+            bytes_per_token=KVPool.bytes_per_token_for(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype),
+            context_length=cfg.context_length,
+            device_type=self.device.type,
+            memory_bytes=memory,
+            used_bytes=used,
+            max_total_tokens=max_total_tokens,
+            mem_fraction_static=mem_fraction_static,
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

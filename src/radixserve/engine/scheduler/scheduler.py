@@ -28,6 +28,7 @@ from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.sampling.sampler import apply_token_bitmask, sample
 from radixserve.engine.scheduler.policy import order_waiting
 from radixserve.engine.scheduler.request import Req
+from radixserve.engine.scheduler.stats import DecodeSnapshot, DecodeStatsLog
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     context_length: int = 8192
     stream_interval: int = 1
+    decode_log_interval: int = 40  # decode steps between "Decode batch." lines (scheduler/stats.py)
 
 
 class Scheduler:
@@ -129,6 +131,7 @@ class Scheduler:
         self.forward_count = 0
         self.error: BaseException | None = None
         self.grammar_timing = GrammarTiming({})
+        self.decode_stats = DecodeStatsLog(config.decode_log_interval)
         self._step_grammar_s = 0.0  # grammar seconds of the current step
         self._token_bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, CPU, reused
 
@@ -203,6 +206,8 @@ class Scheduler:
             self.last_output_time = time.monotonic()
             self.emit(outputs)
         self._update_gauges()
+        if not (self.running or self.waiting or self.chunked_req):
+            self.decode_stats.on_idle()
 
     def _recv(self, block: bool) -> None:
         try:
@@ -240,6 +245,7 @@ class Scheduler:
             req = Req(greq, i, self.tokenizer, self._generator(params.seed, i))
             req.num_samples = params.n if fork else 1
             self.waiting.append(req)
+        self.decode_stats.record_prompt(prompt_tokens=len(greq.input_ids) * params.n)
         if self.metrics is not None:
             self.metrics.prompt_tokens_total.inc(len(greq.input_ids) * params.n)
 
@@ -404,6 +410,7 @@ class Scheduler:
         if not req.cached_tokens_set:
             req.cached_tokens = min(req.prefix_len, len(req.origin_input_ids))
             req.cached_tokens_set = True
+            self.decode_stats.record_prompt(cached_tokens=req.cached_tokens * req.num_samples)
             if self.metrics is not None:
                 self.metrics.cached_tokens_total.inc(req.cached_tokens * req.num_samples)
         if req.first_scheduled_time is None:
@@ -514,6 +521,7 @@ class Scheduler:
         self._sample_and_process(logits, list(batch), outputs)
         self.running = [r for r in self.running if not r.finished]
         self.grammar_timing.add(size, constrained, time.perf_counter() - t_step, self._step_grammar_s)
+        self.decode_stats.on_decode_step(size, t_step, self._decode_snapshot)
 
     def _forward_batch(
         self,
@@ -759,6 +767,15 @@ class Scheduler:
     def used_tokens(self) -> int:
         """KV slots not free (held by requests or the radix tree), tokens."""
         return self.allocator.size - self.allocator.available()
+
+    def _decode_snapshot(self) -> DecodeSnapshot:
+        """The stats line's view of the engine (as the gauges: a chunked prefill counts as running)."""
+        return DecodeSnapshot(
+            running_reqs=len(self.running) + (1 if self.chunked_req is not None else 0),
+            queued_reqs=len(self.waiting),
+            used_tokens=self.used_tokens() - self.cache.evictable_size(),
+            max_total_tokens=self.allocator.size,
+        )
 
     def _update_gauges(self) -> None:
         m = self.metrics
