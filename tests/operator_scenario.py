@@ -4,7 +4,7 @@ Shared by tests/test_operator_kopf.py and a later RBAC test: ``OperatorHarness``
 event loop against a ``k8s`` fixture emulator (tests/k8s_emulator.py) with the InferenceService CRD declared in its
 discovery; ``api_calls(emulator)`` turns the emulator's request log into RBAC terms; ``representative_api_calls``
 runs a scenario that exercises every kind of call the operator makes (create, update, child deleted and
-hand-edited, autoscaling on/off, PDB off, invalid spec, deletion) and returns them.
+hand-edited, autoscaling and NetworkPolicy on/off, PDB off, invalid spec, deletion) and returns them.
 
 The emulator has no controllers, garbage collection or admission: Deployment status is whatever a test writes, and
 children of a deleted InferenceService stay (a real cluster's garbage collector would delete them).
@@ -241,12 +241,21 @@ async def representative_api_calls(emulator: Any, api: Any) -> set[tuple[str, st
         )
         await h.patch(
             isvc_path("demo"),
-            {"spec": {"autoscaling": {"maxReplicas": 3, "targetPerPod": 4}, "disruptionBudget": {"enabled": False}}},
+            {
+                "spec": {
+                    "autoscaling": {"maxReplicas": 3, "targetPerPod": 4},
+                    "disruptionBudget": {"enabled": False},
+                    "networkPolicy": {"enabled": True},
+                }
+            },
         )
         hpa = child_path("autoscaling/v2", "horizontalpodautoscalers", "demo")
+        policy = child_path("networking.k8s.io/v1", "networkpolicies", constants.engine_deployment_name("demo"))
         await until(lambda: h.get(hpa), what="HPA")
-        await h.patch(isvc_path("demo"), {"spec": {"autoscaling": None}})
+        await until(lambda: h.get(policy), what="NetworkPolicy")
+        await h.patch(isvc_path("demo"), {"spec": {"autoscaling": None, "networkPolicy": {"enabled": False}}})
         await until(lambda: _absent(h, hpa), what="HPA deleted")
+        await until(lambda: _absent(h, policy), what="NetworkPolicy deleted")
         await h.create(isvc_path(), isvc_body("bad", {"model": {"storageUri": "ftp://nope"}}))
         await until(lambda: _reason(h, "bad", "Degraded", "InvalidSpec"), what="InvalidSpec")
         await h.delete(isvc_path("demo"))

@@ -32,6 +32,8 @@ pytestmark = pytest.mark.timeout(300)
 KUBE_VERSIONS = ("1.29.0", "1.33.0")
 NAMESPACE = "radixserve"
 ALL_VALUES_PATH = os.path.join(CHART_DIR, "ci", "all-values.yaml")
+PODMONITOR_VALUES_PATH = os.path.join(CHART_DIR, "ci", "podmonitor-values.yaml")
+DEMO_EXAMPLE_PATH = os.path.join(ROOT, "examples", "inferenceservice-demo.yaml")
 CUSTOM_GROUPS = ("monitoring.coreos.com", constants.API_GROUP)
 OPERATOR_PORT_NAME = "metrics"
 # Cluster-scoped resources the operator may read cluster-wide in every mode (CRD discovery, namespace scanning).
@@ -43,6 +45,14 @@ METRIC_NAME = re.compile(r"radixserve_(engine|router|operator)_\w+")
 def all_values() -> dict[str, Any]:
     with open(ALL_VALUES_PATH) as f:
         return yaml.safe_load(f)
+
+
+def all_values_podmonitor() -> dict[str, Any]:
+    """ci/all-values.yaml with ci/podmonitor-values.yaml on top (helm -f a -f b merges maps the same way)."""
+    values = all_values()
+    with open(PODMONITOR_VALUES_PATH) as f:
+        values["metrics"] = yaml.safe_load(f)["metrics"]
+    return values
 
 
 def project_version() -> str:
@@ -139,9 +149,15 @@ def test_fetch_tools_is_idempotent():
     assert "already in .tools/bin" in proc.stdout
 
 
-@pytest.mark.parametrize("values", [None, "all", "namespaced"], ids=["default", "all-options", "namespaced"])
+@pytest.mark.parametrize(
+    "values", [None, "all", "podmonitor", "namespaced"], ids=["default", "all-options", "podmonitor", "namespaced"]
+)
 def test_lint_strict(values):
-    vals = {"all": all_values(), "namespaced": {"operator": {"watchNamespaces": ["a", "b"]}}}.get(values)
+    vals = {
+        "all": all_values(),
+        "podmonitor": all_values_podmonitor(),
+        "namespaced": {"operator": {"watchNamespaces": ["a", "b"]}},
+    }.get(values)
     proc = helm_lint(vals)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 chart(s) failed" in proc.stdout
@@ -207,9 +223,10 @@ def validate_all(objs: list[dict], kube_version: str) -> None:
 
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
-@pytest.mark.parametrize("values", [None, "all"], ids=["default", "all-options"])
+@pytest.mark.parametrize("values", [None, "all", "podmonitor"], ids=["default", "all-options", "podmonitor"])
 def test_rendered_objects_validate(kube_version, values):
-    objs = helm_template(all_values() if values else None, kube_version=kube_version, include_crds=True)
+    vals = {"all": all_values, "podmonitor": all_values_podmonitor}[values]() if values else None
+    objs = helm_template(vals, kube_version=kube_version, include_crds=True)
     kinds = {o["kind"] for o in objs}
     expected = {
         "CustomResourceDefinition",
@@ -220,7 +237,9 @@ def test_rendered_objects_validate(kube_version, values):
         "Service",
     }
     if values:
-        expected |= {"Role", "RoleBinding", "ServiceMonitor", "PodMonitor", "ConfigMap", constants.CRD_KIND}
+        monitor = "ServiceMonitor" if values == "all" else "PodMonitor"
+        expected |= {"Role", "RoleBinding", monitor, "ConfigMap", constants.CRD_KIND}
+        assert not kinds & ({"ServiceMonitor", "PodMonitor"} - {monitor})  # one monitor: targets scraped once
     assert expected <= kinds, expected - kinds
     validate_all(objs, kube_version)
 
@@ -454,7 +473,8 @@ def test_monitors_select_what_the_operator_creates(all_objs):
     children = render_children(
         isvc_spec.InferenceService.model_validate(isvc_body), RenderOptions(image="radixserve:t")
     )
-    for monitor in (one(all_objs, "ServiceMonitor"), one(all_objs, "PodMonitor")):
+    podmonitor_objs = helm_template(all_values_podmonitor(), namespace="ops")
+    for monitor in (one(all_objs, "ServiceMonitor"), one(podmonitor_objs, "PodMonitor")):
         check_monitor(monitor)
         # watched namespaces plus the release namespace (the operator's own metrics)
         assert sorted(monitor["spec"]["namespaceSelector"]["matchNames"]) == ["ops", "team-a", "team-b"]
@@ -476,11 +496,25 @@ def test_monitors_select_what_the_operator_creates(all_objs):
 
 def test_monitors_are_off_by_default_and_any_namespace_when_watching_all(default_objs):
     assert not by_kind(default_objs, "ServiceMonitor") and not by_kind(default_objs, "PodMonitor")
-    objs = helm_template({"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}})
-    for kind in ("ServiceMonitor", "PodMonitor"):
+    for kind, key in (("ServiceMonitor", "serviceMonitor"), ("PodMonitor", "podMonitor")):
+        objs = helm_template({"metrics": {key: {"enabled": True}}})
         monitor = one(objs, kind)
         check_monitor(monitor)
         assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_service_monitor_and_pod_monitor_are_never_both_rendered():
+    """Issue 11: the chart let both scrape every engine, router and operator pod (each target scraped twice, every
+    rate doubled in sum() queries). values.schema.json refuses both; the template refuses them too when the schema
+    is skipped."""
+    both = {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}
+    with pytest.raises(HelmError, match="podMonitor/enabled"):
+        helm_template(both)
+    proc = run_helm(["template", "radixserve", str(CHART_DIR), "--skip-schema-validation"], both)
+    assert proc.returncode != 0 and "enable one, not both" in proc.stderr, proc.stderr
+    assert helm_lint(both).returncode != 0
+    off = {"metrics": {"serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": True}}}
+    assert [o["kind"] for o in helm_template(off) if o["kind"].endswith("Monitor")] == ["PodMonitor"]
 
 
 # --- Grafana dashboard -----------------------------------------------------------------------------------------------
@@ -602,6 +636,16 @@ def test_example_is_opt_in_and_serves_the_demo_model(default_objs):
     assert parsed.spec.served_model_name(parsed.metadata.name) == constants.DEMO_MODEL_NAME
     crd = one(objs, "CustomResourceDefinition")
     assert validate_custom_object(isvc, crd) == []
+
+
+def test_example_spec_is_the_demo_example_file():
+    """Issue 11: the chart's example InferenceService differed from examples/inferenceservice-demo.yaml (other
+    resources, no kvCacheTokens): `helm install --set example.enabled=true` and `kubectl apply -f` gave two demos."""
+    isvc = one(helm_template(example_values()), constants.CRD_KIND)
+    with open(DEMO_EXAMPLE_PATH) as f:
+        example = yaml.safe_load(f)
+    assert isvc["spec"] == example["spec"]
+    assert isvc["apiVersion"] == example["apiVersion"] and isvc["kind"] == example["kind"]
 
 
 def test_example_spec_errors_are_caught_by_the_api_model():

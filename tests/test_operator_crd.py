@@ -313,6 +313,9 @@ def test_gpu_autoscaling_example():
     # Unset: the operator defaults it to minReplicas once (test_operator_kopf), then the HPA owns it; a manifest that
     # set it would reset the HPA's choice on every apply.
     assert s.replicas is None and s.desired_replicas() == s.autoscaling.min_replicas
+    # The production example keeps its keys in Secrets and fences the engines off.
+    assert s.router.api_key_secret_ref and s.engine.api_key_secret_ref and s.network_policy.enabled
+    assert not s.plain_text_keys()
     p = s.placement
     assert p.node_selector and p.tolerations and p.affinity and p.priority_class_name
     # The anti-affinity selects this InferenceService's engine pods by the operator's labels.

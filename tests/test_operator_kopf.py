@@ -898,6 +898,96 @@ async def test_logs_stay_quiet_at_info(harness, caplog):
     assert len(invalid) == 1, [r.getMessage() for r in invalid]
 
 
+# --- API keys from Secrets, the NetworkPolicy ----------------------------------------------------------------------
+
+CLIENT_KEY, ENGINE_KEY = "sk-client-7f3a", "sk-engine-91c2"
+SECURED_SPEC = {
+    "model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"},
+    "engine": {"apiKeySecretRef": {"name": "demo-engine-key", "key": "api-key"}},
+    "router": {"apiKeySecretRef": {"name": "demo-api-key", "key": "api-key"}},
+    "networkPolicy": {"enabled": True, "metricsNamespaces": ["monitoring"]},
+}
+POLICY = child_path("networking.k8s.io/v1", "networkpolicies", ENGINE)
+
+
+def _secret(name: str, value: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": NS},
+        "stringData": {"api-key": value},
+    }
+
+
+async def test_keys_come_from_the_secrets_and_no_key_value_is_written_anywhere(harness):
+    """Issue 11: the router's key could only be set in spec.router.args, so it was stored in the InferenceService,
+    the ConfigMap and the pod spec. With apiKeySecretRef the operator writes only references."""
+    import base64
+
+    h = harness
+    await h.create(child_path("v1", "secrets"), _secret("demo-api-key", CLIENT_KEY))
+    await h.create(child_path("v1", "secrets"), _secret("demo-engine-key", ENGINE_KEY))
+    await h.start()
+    isvc = await created(h, spec=SECURED_SPEC)
+    await settled(h)
+    kids = await children(h)
+    refs = {
+        c["name"]: {v["name"]: v["valueFrom"]["secretKeyRef"] for v in c.get("env", [])}
+        for dep in (ENGINE, ROUTER)
+        for c in kids[("Deployment", dep)]["spec"]["template"]["spec"]["containers"]
+    }
+    secret = {"key": "api-key", "optional": False}
+    assert refs == {
+        "engine": {"RADIXSERVE_API_KEY": {"name": "demo-engine-key", **secret}},
+        "router": {
+            "RADIXSERVE_API_KEY": {"name": "demo-api-key", **secret},
+            "RADIXSERVE_ENGINE_API_KEY": {"name": "demo-engine-key", **secret},
+        },
+    }
+    # The engines' NetworkPolicy, owned by the InferenceService (garbage-collected with it).
+    policy = await h.get(POLICY)
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
+    # Nothing the operator sent (every request body, dry runs included), no child and no status holds a key value.
+    values = [v for k in (CLIENT_KEY, ENGINE_KEY) for v in (k, base64.b64encode(k.encode()).decode())]
+    operator_bodies = [
+        r.data for r in h.requests() if r.data and not any(k.lower() == "x-radixserve-test-client" for k in r.headers)
+    ]
+    assert operator_bodies
+    stored = [*kids.values(), await h.isvc(NAME)]
+    for text in map(repr, operator_bodies + stored):
+        assert not any(v in text for v in values)
+    assert not [e for e in await h.events() if e["reason"] == "APIKeyInPlainText"]
+
+
+async def test_disabling_the_network_policy_deletes_it(harness):
+    h = harness
+    await h.start()
+    await created(h, spec=SECURED_SPEC)
+    await until(lambda: h.get(POLICY), what="NetworkPolicy")
+    await h.patch(isvc_path(NAME), {"spec": {"networkPolicy": {"enabled": False}}})
+    await until(lambda: _absent_all(h, POLICY), what="NetworkPolicy deleted")
+    assert ("NetworkPolicy", ENGINE) not in await children(h)
+
+
+async def test_a_key_in_router_args_is_warned_about_once(harness):
+    """Issue 11: `spec.router.args: [--api-key, ...]` was the only way, silently stored in plain text. It still
+    works (the flag wins), but a Warning Event says so, once, not at every resync."""
+    h = harness
+    await h.start(resync_seconds=1.0)
+    spec = {"model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"}, "router": {"args": ["--api-key", "sk-x"]}}
+    await created(h, spec=spec)
+    warned = await until(lambda: _warnings(h, "APIKeyInPlainText"), what="plain-text key warning")
+    assert "spec.router.args --api-key" in warned[0]["message"] and "apiKeySecretRef" in warned[0]["message"]
+    assert "sk-x" not in warned[0]["message"]
+    ticks = h.metrics.reconciles.labels(kind="timer", result="success")._value.get()
+    await until(
+        lambda: h.metrics.reconciles.labels(kind="timer", result="success")._value.get() >= ticks + 2,
+        what="two resyncs",
+    )
+    events = await _warnings(h, "APIKeyInPlainText")
+    assert len(events) == 1 and events[0].get("count", 1) == 1, events
+
+
 # --- what the operator asks of the API server (for the chart's RBAC) ---------------------------------------------
 
 

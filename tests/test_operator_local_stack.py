@@ -14,6 +14,7 @@ What this cannot show: images, scheduling, probes run by a kubelet, garbage coll
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import signal
 import subprocess
@@ -37,6 +38,15 @@ SPEC = {
     "replicas": 1,
 }
 
+# The same with API keys from Secrets (issue 11: keys were only possible in plain-text args).
+CLIENT_KEY, ENGINE_KEY = "sk-client-4b1d", "sk-engine-e07a"
+SECURED_SPEC = {
+    **SPEC,
+    "engine": {**SPEC["engine"], "apiKeySecretRef": {"name": "demo-engine-key"}},
+    "router": {"apiKeySecretRef": {"name": "demo-api-key"}},
+}
+SECRETS = {"demo-api-key": CLIENT_KEY, "demo-engine-key": ENGINE_KEY}
+
 pytestmark = [pytest.mark.slow, requires_model, pytest.mark.asyncio, pytest.mark.timeout(300)]
 
 
@@ -53,9 +63,21 @@ def _as_local_process(container: dict[str, Any], port: int) -> list[str]:
     return [sys.executable, "-m", "radixserve", *args, "--host", "127.0.0.1", "--port", str(port)]
 
 
-def _spawn(argv: list[str], log_path: str) -> subprocess.Popen:
+async def _kubelet_env(h: OperatorHarness, container: dict[str, Any]) -> dict[str, str]:
+    """The environment the kubelet gives ``container``: this process's, minus any key variables, plus the
+    container's ``env`` with secretKeyRefs read from the Secrets in the emulated API server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RADIXSERVE_")}
+    for var in container.get("env", []):
+        ref = var["valueFrom"]["secretKeyRef"]
+        secret = await h.get(child_path("v1", "secrets", ref["name"]))
+        assert secret is not None, f"Secret {ref['name']} missing: the pod would be CreateContainerConfigError"
+        env[var["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+    return env
+
+
+def _spawn(argv: list[str], log_path: str, env: dict[str, str]) -> subprocess.Popen:
     log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -124,15 +146,25 @@ def _available(deployment: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def test_rendered_engine_and_router_serve_openai_through_engine_service_discovery(k8s, tmp_path):  # noqa: F811
-    from openai import AsyncOpenAI
+@pytest.mark.parametrize("secured", [False, True], ids=["open", "keys-from-secrets"])
+async def test_rendered_engine_and_router_serve_openai_through_engine_service_discovery(
+    k8s,  # noqa: F811
+    tmp_path,
+    secured,
+):
+    from openai import AsyncOpenAI, AuthenticationError
 
     emulator, api = k8s
     h = OperatorHarness(emulator, api)
     await h.start(resync_seconds=1.0)
     procs: list[subprocess.Popen] = []
     try:
-        await h.create(isvc_path(), isvc_body(NAME, SPEC))
+        if secured:
+            for name, value in SECRETS.items():
+                secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NS}}
+                data = {"api-key": base64.b64encode(value.encode()).decode()}
+                await h.create(child_path("v1", "secrets"), {**secret, "type": "Opaque", "data": data})
+        await h.create(isvc_path(), isvc_body(NAME, SECURED_SPEC if secured else SPEC))
         engine_dep_path = child_path("apps/v1", "deployments", constants.engine_deployment_name(NAME))
         router_dep_path = child_path("apps/v1", "deployments", constants.router_deployment_name(NAME))
         engine_svc_path = child_path("v1", "services", constants.engine_deployment_name(NAME))
@@ -142,7 +174,8 @@ async def test_rendered_engine_and_router_serve_openai_through_engine_service_di
 
         # kubelet: the engine pod.
         engine_port, engine_log = free_port(), str(tmp_path / "engine.log")
-        procs.append(_spawn(_as_local_process(_container(engine_dep), engine_port), engine_log))
+        engine_c = _container(engine_dep)
+        procs.append(_spawn(_as_local_process(engine_c, engine_port), engine_log, await _kubelet_env(h, engine_c)))
         async with httpx.AsyncClient(timeout=10) as client:
             await _http_ok(
                 client, f"http://127.0.0.1:{engine_port}{constants.ENGINE_HEALTH_PATH}", procs[0], engine_log
@@ -155,12 +188,25 @@ async def test_rendered_engine_and_router_serve_openai_through_engine_service_di
 
             # kubelet: the router pod, discovering engines through the emulated API server ($KUBECONFIG).
             router_port, router_log = free_port(), str(tmp_path / "router.log")
-            procs.append(_spawn(_as_local_process(_container(router_dep), router_port), router_log))
+            router_c = _container(router_dep)
+            router_env = await _kubelet_env(h, router_c)
+            procs.append(_spawn(_as_local_process(router_c, router_port), router_log, router_env))
             router = f"http://127.0.0.1:{router_port}"
             await _http_ok(client, router + constants.ROUTER_READY_PATH, procs[1], router_log)
+            # The path the rendered probes use answers without a key.
+            probe = router_c["readinessProbe"]["httpGet"]["path"]
+            assert (await client.get(router + probe)).status_code == 200
+            if secured:  # the engine refuses a pod that calls it without its key; the router (ready) has it
+                unauth = await client.get(f"http://127.0.0.1:{engine_port}/v1/models")
+                assert unauth.status_code == 401, unauth.text
 
         # An application team's client, pointed at the router.
-        oai = AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0, timeout=120)
+        if secured:
+            wrong = AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0, timeout=30)
+            with pytest.raises(AuthenticationError):
+                await wrong.models.list()
+        key = CLIENT_KEY if secured else "none"
+        oai = AsyncOpenAI(base_url=router + "/v1", api_key=key, max_retries=0, timeout=120)
         reply = await oai.chat.completions.with_raw_response.create(
             model=constants.DEMO_MODEL_NAME,
             max_tokens=8,

@@ -119,6 +119,12 @@ SPECS: dict[str, dict[str, Any]] = {
         "imagePullSecrets": ["regcred", "mirror.creds"],
         "engine": {"resources": {"limits": {"cpu": "1500m", "memory": "4Gi"}}},
     },
+    "secured": {
+        "model": {"storageUri": f"demo://{constants.DEMO_MODEL_NAME}"},
+        "engine": {"apiKeySecretRef": {"name": "llm-engine-key"}},
+        "router": {"apiKeySecretRef": {"name": "llm-api-key", "key": "token"}},
+        "networkPolicy": {"enabled": True, "metricsNamespaces": ["monitoring"]},
+    },
     **{
         f"router-{policy}": {
             "model": {"storageUri": "file:///models/m"},
@@ -186,7 +192,8 @@ def test_kinds_are_declared_child_types() -> None:
             seen.add((child["apiVersion"], child["kind"]))
     assert seen == declared  # every declared type is produced by some spec, and nothing undeclared
     for t in CHILD_TYPES:
-        assert t.namespaced and t.plural == t.kind.lower() + "s"
+        plural = t.kind.lower()[:-1] + "ies" if t.kind.endswith("y") else t.kind.lower() + "s"
+        assert t.namespaced and t.plural == plural
 
 
 # --- names, labels, owner references --------------------------------------------------------------------------------
@@ -585,8 +592,10 @@ def test_router_pod_shape() -> None:
     assert dep["spec"]["replicas"] == 2
     assert c["image"] == OPTIONS.image
     assert c["resources"] == SPECS["extra-args"]["router"]["resources"]
+    # /live: /health is 503 while no engine is routable, and a probe on it would take every router out of the
+    # Service (clients then get refused connections instead of OpenAI-format 503s) or restart it in a loop.
     for probe in ("readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": constants.ROUTER_HEALTH_PATH, "port": constants.HTTP_PORT_NAME}
+        assert c[probe]["httpGet"] == {"path": constants.ROUTER_LIVE_PATH, "port": constants.HTTP_PORT_NAME}
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == RUN_AS_USER
 
@@ -742,13 +751,21 @@ def test_output_is_deterministic() -> None:
 
 
 def test_router_probe_path_is_served_by_the_router() -> None:
-    """The router Deployment's probes hit a path the router app really serves without an API key."""
-    from radixserve.router.app import _OPEN_PATHS, create_app
+    """The router Deployment's probes hit a path the router app really serves without an API key, and it answers 200
+    while no engine is routable (the router's /health is then 503)."""
+    from fastapi.testclient import TestClient
+
+    from radixserve.router.app import create_app
     from radixserve.router.config import RouterArgs
 
-    app = create_app(RouterArgs(worker_urls=["http://127.0.0.1:1"]))
-    paths = {getattr(r, "path", None) for r in app.routes}
-    assert constants.ROUTER_HEALTH_PATH in paths and constants.ROUTER_HEALTH_PATH in _OPEN_PATHS
+    dep = get(render_children(make_isvc(SPECS["demo"]), OPTIONS), "Deployment", constants.router_deployment_name("llm"))
+    c = container(dep, ROUTER_CONTAINER)
+    paths = {c[probe]["httpGet"]["path"] for probe in ("readinessProbe", "livenessProbe")}
+    app = create_app(RouterArgs(worker_urls=["http://127.0.0.1:1"], api_key="sk-router"))
+    with TestClient(app) as client:
+        for path in paths:
+            assert client.get(path).status_code == 200, path
+        assert client.get(constants.ROUTER_HEALTH_PATH).status_code == 503  # nothing routable: why not /health
 
 
 def test_image_pull_secrets_reach_engine_router_and_init_containers_pods() -> None:

@@ -39,7 +39,7 @@ trouble, an admission webhook that is down) are retried with backoff; what still
 server's answer and whether the spec is partly applied) and Ready False, then is raised as ``kopf.TemporaryError``
 (kopf retries; if the status write fails too, the apply's error is still the one raised). Events: each child created or
 deleted as it happens, Ready gained or lost, Degraded raised or its message changed (so one Warning per distinct
-problem, not one per resync).
+problem, not one per resync), and a Warning ``APIKeyInPlainText`` when ``spec.*.args`` carry an API key flag.
 
 Deletion: children carry ``ownerReferences`` (controller) to the InferenceService, so the garbage collector deletes
 them with it; the operator registers no on.delete handler. kopf itself puts ONE finalizer
@@ -68,7 +68,7 @@ from radixserve.operator import apply as applier
 from radixserve.operator.apply import KubeApi
 from radixserve.operator.metrics import OperatorMetrics
 from radixserve.operator.render import CHILD_TYPES, ChildType, RenderOptions, render_children
-from radixserve.operator.spec import InferenceService, check_name
+from radixserve.operator.spec import InferenceService, check_name, format_validation_error
 from radixserve.operator.status import ApplyError, ObservedChildren, compute_status, invalid_spec_status
 
 __all__ = [
@@ -88,20 +88,6 @@ INFERENCE_SERVICES = ChildType(
 ENDPOINT_SLICES = ChildType("discovery.k8s.io/v1", "EndpointSlice", "endpointslices")
 FINALIZER = f"{constants.API_GROUP}/kopf-finalizer"
 _TYPES_BY_KIND = {(t.api_version, t.kind): t for t in CHILD_TYPES}
-
-
-def format_validation_error(exc: pydantic.ValidationError) -> str:
-    """A one-line, user-facing message: ``spec.autoscaling: Value error, ...; spec.model.storageUri: String should
-    match pattern '...' (got 's3://b/m')``."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        msg = str(err.get("msg"))
-        value = err.get("input")
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and len(str(value)) <= 200:
-            msg += f" (got {value!r})"  # scalars only: a whole sub-object would drown the message
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
 
 
 def _condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any]:
@@ -156,6 +142,8 @@ class _OwnerState:
     warned: str | None = None
     # The status this process last wrote (None: none yet; the object's own status is then the reference).
     status: dict[str, Any] | None = None
+    # The plain-text API key warning last posted (an Event once per distinct message, not at every resync).
+    plain_text_warned: str | None = None
 
 
 class Reconciler:
@@ -353,6 +341,7 @@ class Reconciler:
         except ValueError as exc:
             return self._invalid(state, body, str(exc), previous, logger), None
 
+        self._warn_plain_text_keys(state, body, isvc, logger)
         if isvc.spec.autoscaling is not None and isvc.spec.replicas is None:
             # The scale subresource reads an absent spec.replicas as 0, and an HPA whose target has 0 replicas
             # disables itself (ScalingDisabled): start the HPA from minReplicas.
@@ -429,6 +418,31 @@ class Reconciler:
         state.warned = None
         self._observe_and_write(state, isvc, body, current, previous, logger, None)
         return "success", None
+
+    def _warn_plain_text_keys(
+        self,
+        state: _OwnerState,
+        body: dict[str, Any],
+        isvc: InferenceService,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> None:
+        """A Warning Event (reason ``APIKeyInPlainText``) and a log line when ``spec.*.args`` carry an API key flag:
+        it is then stored in plain text in the InferenceService, its ConfigMap and the pod spec. Once per distinct
+        message (and again after an operator restart); the spec is still applied, the flag still works."""
+        found = isvc.spec.plain_text_keys()
+        message = None
+        if found:
+            message = (
+                f"{', '.join(found)}: an API key in args is stored in plain text (this InferenceService, its ConfigMap "
+                "and the pod spec); put it in a Secret and use spec.router.apiKeySecretRef (the clients' key) or "
+                "spec.engine.apiKeySecretRef (the engines' key, also given to the router)"
+            )
+        if message == state.plain_text_warned:
+            return
+        state.plain_text_warned = message
+        if message:
+            logger.warning("%s", message)
+            kopf.warn(_event_target(body), reason="APIKeyInPlainText", message=message)
 
     def _observe_and_write(
         self,

@@ -11,7 +11,13 @@ follows docs/architecture.md (and kopf's examples: render plain data, apply it i
 - Service ``NAME-engine``: headless (clusterIP None); its EndpointSlices (labelled ``kubernetes.io/service-name``
   plus the Service's own labels by the EndpointSlice controller) are what the router discovers.
 - ServiceAccount / Role / RoleBinding ``NAME-router``: get/list/watch EndpointSlices in the namespace, nothing else.
-- Deployment ``NAME-router`` and Service ``NAME`` (port ROUTER_SERVICE_PORT -> ``http``): the public endpoint.
+- Deployment ``NAME-router`` and Service ``NAME`` (port ROUTER_SERVICE_PORT -> ``http``): the public endpoint; probes
+  on ``/live`` (the process serves), since ``/health`` is 503 while no engine is routable.
+- API keys (``apiKeySecretRef``) only as env vars read from the Secret (``secretKeyRef``): engines
+  ``RADIXSERVE_API_KEY``; the router ``RADIXSERVE_API_KEY`` (its clients' key) and ``RADIXSERVE_ENGINE_API_KEY`` (the
+  engines'). Never in args, the ConfigMap or status: no key value is ever rendered.
+- NetworkPolicy ``NAME-engine`` when ``networkPolicy.enabled``: ingress to the engine pods' port only from this
+  InferenceService's router pods and from ``networkPolicy.metricsNamespaces``.
 - ConfigMap ``NAME-config``: the effective engine and router configuration as JSON; a hash of each part is a pod
   template annotation of that component, so a configuration change rolls exactly the pods it concerns.
 - PodDisruptionBudget ``NAME-engine`` (policy/v1) when ``disruptionBudget.enabled``.
@@ -35,6 +41,7 @@ from radixserve.operator.spec import (
     DEMO_MODELS,
     InferenceService,
     ResourceRequirements,
+    SecretKeyRef,
     check_name,
     parse_quantity,
 )
@@ -55,6 +62,8 @@ __all__ = [
     "router_args",
     "cpu_threads",
     "render_children",
+    "API_KEY_ENV",
+    "ENGINE_API_KEY_ENV",
 ]
 
 OWNER_API_VERSION = f"{constants.API_GROUP}/{constants.API_VERSION}"
@@ -67,6 +76,10 @@ MODEL_VOLUME = "model"
 LISTEN_HOST = "0.0.0.0"
 HF_TOKEN_KEY = "HF_TOKEN"  # key in spec.model.hfTokenSecret, and the env var huggingface_hub reads
 HF_HOME = "/tmp/hf-home"  # the hf CLI's cache and lock files (not the model: that goes to --local-dir)
+# The env vars `radixserve engine` / `router` read their keys from (defaults of --api-key, --engine-api-key).
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+ENGINE_API_KEY_ENV = "RADIXSERVE_ENGINE_API_KEY"
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server (1.21+)
 
 # Shutdown: the pod leaves the EndpointSlices when it starts terminating, but routers and kube-proxy learn it a moment
 # later; the preStop sleep keeps the engine serving (its in-flight requests too) until they have, then SIGTERM makes
@@ -110,6 +123,7 @@ CHILD_TYPES: tuple[ChildType, ...] = (
     ChildType("rbac.authorization.k8s.io/v1", "Role", "roles"),
     ChildType("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
     ChildType("v1", "Service", "services"),
+    ChildType("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     ChildType("apps/v1", "Deployment", "deployments"),
     ChildType("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     ChildType("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
@@ -211,6 +225,27 @@ def _config_hash(part: dict[str, Any]) -> str:
 
 def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+    """Env var ``name`` from the Secret key ``ref``. Not optional: a missing Secret or key holds the pod at
+    CreateContainerConfigError (named in its events) rather than starting it without the key."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key, "optional": False}}}
+
+
+def _key_env(isvc: InferenceService, component: str) -> dict[str, Any]:
+    """``{"env": [...]}`` with the API keys of ``component`` (COMPONENT_ENGINE / _ROUTER), or ``{}`` without any."""
+    engine_ref, router_ref = isvc.spec.engine.api_key_secret_ref, isvc.spec.router.api_key_secret_ref
+    env = []
+    if component == constants.COMPONENT_ENGINE:
+        if engine_ref:
+            env.append(_secret_env(API_KEY_ENV, engine_ref))
+    else:
+        if router_ref:
+            env.append(_secret_env(API_KEY_ENV, router_ref))
+        if engine_ref:
+            env.append(_secret_env(ENGINE_API_KEY_ENV, engine_ref))
+    return {"env": env} if env else {}
 
 
 def _image_pull_policy(explicit: str | None, options: RenderOptions) -> dict[str, Any]:
@@ -422,6 +457,7 @@ def _engine_deployment(isvc: InferenceService, options: RenderOptions, engine_cf
         **_image_pull_policy(spec.engine.image_pull_policy, options),
         "command": ["radixserve"],
         "args": ["engine", *engine_args(isvc, source.model_path)],
+        **_key_env(isvc, constants.COMPONENT_ENGINE),
         "ports": [{"name": constants.HTTP_PORT_NAME, "containerPort": constants.ENGINE_PORT, "protocol": "TCP"}],
         "resources": _resources(spec.engine.resources),
         "startupProbe": _http_probe(
@@ -541,11 +577,13 @@ def _router_deployment(isvc: InferenceService, options: RenderOptions, router_cf
         **_image_pull_policy(None, options),
         "command": ["radixserve"],
         "args": ["router", *router_args(isvc)],
+        **_key_env(isvc, constants.COMPONENT_ROUTER),
         "ports": [{"name": constants.HTTP_PORT_NAME, "containerPort": constants.ROUTER_PORT, "protocol": "TCP"}],
         "resources": _resources(router.resources),
-        # /health, not /ready: clients always reach the router and get OpenAI-format 503s while no engine is up.
-        "readinessProbe": _http_probe(constants.ROUTER_HEALTH_PATH, period=5, timeout=5, failures=3),
-        "livenessProbe": _http_probe(constants.ROUTER_HEALTH_PATH, period=15, timeout=10, failures=4),
+        # /live, not /health or /ready (both 503 while no engine is routable): clients always reach a router and get
+        # OpenAI-format 503s rather than refused connections, and a router is restarted only when it stops serving.
+        "readinessProbe": _http_probe(constants.ROUTER_LIVE_PATH, period=5, timeout=5, failures=3),
+        "livenessProbe": _http_probe(constants.ROUTER_LIVE_PATH, period=15, timeout=10, failures=4),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ROUTER_PRESTOP_SLEEP_S)]}}},
         "securityContext": _container_security_context(),
     }
@@ -597,6 +635,32 @@ def _router_service(isvc: InferenceService) -> dict[str, Any]:
     }
 
 
+def _network_policy(isvc: InferenceService) -> dict[str, Any]:
+    """Ingress to the engine pods' one port (ENGINE_PORT, ``http``) only from this InferenceService's router pods,
+    plus from any pod in ``networkPolicy.metricsNamespaces`` (Prometheus); the policy's podSelector makes every other
+    ingress denied. Egress is left open (hf:// downloads). Kubelet probes come from the node, which NetworkPolicies
+    always allow."""
+    name = isvc.metadata.name
+    port = [{"protocol": "TCP", "port": constants.ENGINE_PORT}]
+    ingress: list[dict[str, Any]] = [
+        {"from": [{"podSelector": {"matchLabels": child_labels(name, constants.COMPONENT_ROUTER)}}], "ports": port}
+    ]
+    namespaces = isvc.spec.network_policy.metrics_namespaces
+    if namespaces:
+        selector = {"matchExpressions": [{"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": list(namespaces)}]}
+        ingress.append({"from": [{"namespaceSelector": selector}], "ports": port})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(isvc, constants.engine_deployment_name(name), constants.COMPONENT_ENGINE),
+        "spec": {
+            "podSelector": {"matchLabels": child_labels(name, constants.COMPONENT_ENGINE)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
 def _pdb(isvc: InferenceService) -> dict[str, Any]:
     name = isvc.metadata.name
     return {
@@ -640,9 +704,10 @@ def _hpa(isvc: InferenceService) -> dict[str, Any]:
 
 
 def render_children(isvc: InferenceService, options: RenderOptions) -> list[dict[str, Any]]:
-    """Every desired child of ``isvc`` as a JSON-ready dict, in a fixed order (config and RBAC first, then Services,
-    Deployments, PDB, HPA). Each has apiVersion, kind, metadata (name, namespace, labels; ownerReferences to ``isvc``
-    when its uid is known). Kinds are among ``CHILD_TYPES``; the PDB and HPA only when enabled.
+    """Every desired child of ``isvc`` as a JSON-ready dict, in a fixed order (config and RBAC first, then the
+    engine Service, NetworkPolicy and Deployment, the router's Service and Deployment, PDB, HPA). Each has apiVersion,
+    kind, metadata (name, namespace, labels; ownerReferences to ``isvc`` when its uid is known). Kinds are among
+    ``CHILD_TYPES``; the NetworkPolicy, PDB and HPA only when enabled.
 
     Raises ValueError with a user-facing message when the spec cannot be rendered: invalid name (``check_name``),
     no namespace, unknown demo model.
@@ -656,6 +721,8 @@ def render_children(isvc: InferenceService, options: RenderOptions) -> list[dict
         _config_map(isvc, engine_cfg, router_cfg),
         *_router_rbac(isvc),
         _engine_service(isvc),
+        # Before the engines: on create, they never run without it (the handlers apply in CHILD_TYPES order too).
+        *([_network_policy(isvc)] if isvc.spec.network_policy.enabled else []),
         _engine_deployment(isvc, options, engine_cfg),
         _router_service(isvc),
         _router_deployment(isvc, options, router_cfg),

@@ -16,7 +16,15 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from radixserve.contracts import constants
@@ -90,6 +98,10 @@ IntOrString = Annotated[int | str, _INT_OR_STRING]
 Quantity = Annotated[int | str, _INT_OR_STRING, AfterValidator(_check_quantity)]
 IntOrPercent = Annotated[int | str, _INT_OR_STRING, AfterValidator(_check_int_or_percent)]
 Dns1123Name = Annotated[str, Field(pattern=DNS1123_SUBDOMAIN_PATTERN, max_length=253)]
+# DNS-1123 label (namespace names) and a Secret's data key (core/v1 validation.IsConfigMapKey).
+DNS1123_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+Dns1123Label = Annotated[str, Field(pattern=DNS1123_LABEL_PATTERN, max_length=63)]
 LabelValue = Annotated[str, Field(pattern=LABEL_VALUE_PATTERN, max_length=63)]
 
 STORAGE_SCHEMES = ("pvc", "hf", "file", "demo")
@@ -187,6 +199,25 @@ class ResourceRequirements(_Model):
     limits: dict[str, Quantity] | None = None
 
 
+# The flags whose value is a key, per component: in spec.*.args they are stored in plain text (the InferenceService,
+# the ConfigMap, the pod spec); apiKeySecretRef is the way to pass them.
+KEY_FLAGS = {"engine": ("--api-key",), "router": ("--api-key", "--engine-api-key")}
+
+
+class SecretKeyRef(_Model):
+    """One key of a Secret in the InferenceService's namespace (core/v1 SecretKeySelector, never ``optional``: a
+    missing Secret holds the pod at CreateContainerConfigError instead of serving without a key)."""
+
+    name: Dns1123Name = Field(description="Secret name, in the InferenceService's namespace.")
+    key: str = Field(
+        default="api-key",
+        min_length=1,
+        max_length=253,
+        pattern=SECRET_KEY_PATTERN,
+        description="Key in the Secret's data holding the API key.",
+    )
+
+
 class EngineSpec(_Model):
     """The engine pods: image, flags and resources."""
 
@@ -199,6 +230,13 @@ class EngineSpec(_Model):
         default=None, ge=1, le=2**31 - 1, description="KV cache pool size in tokens (engine --max-total-tokens)."
     )
     schedule_policy: Literal[SCHEDULE_POLICIES] = "lpm"  # type: ignore[valid-type]
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description=(
+            "The key engines require (Authorization: Bearer), as env RADIXSERVE_API_KEY; the router calls them with "
+            "it (RADIXSERVE_ENGINE_API_KEY). Probes and /metrics stay open."
+        ),
+    )
     startup_timeout_seconds: int = Field(
         default=1800,
         ge=60,
@@ -243,6 +281,13 @@ class RouterSpec(_Model):
     image: str | None = Field(default=None, description="Router image (default: the operator's --image).")
     resources: ResourceRequirements | None = None
     args: list[str] = Field(default_factory=list, description="Extra `radixserve router` flags, appended last.")
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description=(
+            "The key clients must send to the router (Authorization: Bearer), as env RADIXSERVE_API_KEY. Probes and "
+            "/metrics stay open."
+        ),
+    )
 
 
 class Toleration(_Model):
@@ -324,6 +369,18 @@ class DisruptionBudgetSpec(_Model):
     max_unavailable: IntOrPercent = 1
 
 
+class NetworkPolicySpec(_Model):
+    """A NetworkPolicy ``NAME-engine`` (off by default): engine pods accept connections only from this
+    InferenceService's router pods, and from pods in ``metricsNamespaces`` (Prometheus). Layer 4 only: those
+    namespaces reach the whole engine port, not just /metrics. Kubelet probes are not affected."""
+
+    enabled: bool = False
+    metrics_namespaces: list[Dns1123Label] = Field(
+        default_factory=list,
+        description="Namespaces (by name) whose pods may also connect to the engines, e.g. [monitoring].",
+    )
+
+
 class InferenceServiceSpec(_Model):
     """``spec`` of an InferenceService. ``replicas`` is what ``kubectl scale`` and an HPA write (scale subresource)."""
 
@@ -336,6 +393,7 @@ class InferenceServiceSpec(_Model):
     router: RouterSpec = Field(default_factory=RouterSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     disruption_budget: DisruptionBudgetSpec = Field(default_factory=DisruptionBudgetSpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     image_pull_secrets: list[Dns1123Name] | None = Field(
         default=None, description="Secrets (names, in this namespace) for pulling the engine and router images."
     )
@@ -345,6 +403,16 @@ class InferenceServiceSpec(_Model):
         if self.replicas is not None:
             return self.replicas
         return self.autoscaling.min_replicas if self.autoscaling else 1
+
+    def plain_text_keys(self) -> list[str]:
+        """Where ``args`` carry an API key flag (``KEY_FLAGS``, as ``--flag V`` or ``--flag=V``): e.g.
+        ``["spec.router.args --api-key"]``; such a key is stored in plain text. Empty when there is none."""
+        found = []
+        for component, args in (("engine", self.engine.args), ("router", self.router.args)):
+            for flag in KEY_FLAGS[component]:
+                if any(a == flag or a.startswith(flag + "=") for a in args):
+                    found.append(f"spec.{component}.args {flag}")
+        return found
 
     def served_model_name(self, isvc_name: str) -> str:
         """The OpenAI model name: spec'd, else the demo model's name for demo://, else the InferenceService name."""
@@ -393,6 +461,20 @@ class ObjectMeta(_Model):
     generation: int | None = None
     labels: dict[str, str] | None = None
     annotations: dict[str, str] | None = None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """A one-line, user-facing message: ``spec.autoscaling: Value error, ...; spec.model.storageUri: String should
+    match pattern '...' (got 's3://b/m')``."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        msg = str(err.get("msg"))
+        value = err.get("input")
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and len(str(value)) <= 200:
+            msg += f" (got {value!r})"  # scalars only: a whole sub-object would drown the message
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
 
 
 class InferenceService(_Model):
