@@ -38,6 +38,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 $(MODEL_DIR)/config.json: $(VENV)/.installed
 	$(PY) -m radixserve.engine.model.convert --out $(MODEL_DIR)
 
+# Ctrl-C or SIGTERM: `radixserve up` stops its engines and exits 0, so make reports no "Error 130" (a real failure,
+# an engine that never came up, is still status 1). One plain command: make runs it without a shell in between.
 run: install
 	$(VENV)/bin/radixserve up
 

@@ -117,6 +117,16 @@ def test_engine_children_get_progress_bars_off_and_keep_the_rest_of_the_environm
     assert engine_env({}) == ENGINE_ENV
 
 
+def test_the_api_key_is_set_or_removed_in_the_engine_environment() -> None:
+    # The engines read RADIXSERVE_API_KEY (their --api-key default); `up` hands them its own key that way, so a stale
+    # value in this process's environment never outlives an explicit --api-key, nor reaches keyless engines.
+    base = {"RADIXSERVE_API_KEY": "stale", "PATH": "/bin"}
+    assert engine_env(base, api_key="k")["RADIXSERVE_API_KEY"] == "k"
+    assert "RADIXSERVE_API_KEY" not in engine_env(base, api_key=None)
+    assert "RADIXSERVE_API_KEY" not in engine_env(base, api_key="")
+    assert engine_env(base)["PATH"] == "/bin" and engine_env(base)["PYTHONUNBUFFERED"] == "1"
+
+
 def test_progress_bars_are_silent_under_the_engine_environment() -> None:
     # What the engines' "Loading weights" bar (transformers' tqdm) and huggingface_hub's bars honour.
     import subprocess

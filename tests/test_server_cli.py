@@ -67,8 +67,25 @@ def test_up_help_says_which_flags_reach_the_engines_and_which_the_router(monkeyp
     up = next(a for a in build_parser()._actions if a.dest == "command").choices["up"]
     text = " ".join(up.description.split())
     assert "--host/--port are the router's" in text
-    assert "--api-key, --log-level and --max-request-body-bytes included" in text
-    assert "apply to the router too" in text
+    assert "--log-level and --max-request-body-bytes included: those two apply to the router too" in text
+    assert "--api-key (default: $RADIXSERVE_API_KEY) applies to the router and to every engine" in text
+    assert "in their environment (RADIXSERVE_API_KEY), never on their command line" in text
+
+
+def test_up_help_says_it_defaults_temperature_to_0_and_names_the_key_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Regression (issue 11): `up --help` did not say that `up` defaults temperature to 0 (its engines get
+    # --preferred-sampling-params '{"temperature": 0.0}'), and must name the key's variable without its value.
+    monkeypatch.setenv("RADIXSERVE_API_KEY", "sk-never-shown-4321")
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "up defaults temperature to 0: it passes --preferred-sampling-params '{\"temperature\": 0.0}'" in text
+    assert "a request that sets it gets what it asks for" in text
+    assert "RADIXSERVE_API_KEY" in text and "sk-never-shown-4321" not in text
+    assert build_parser().parse_args(["up"]).api_key == "sk-never-shown-4321"  # the default, from the environment
+    assert build_parser().parse_args(["up", "--api-key", "k"]).api_key == "k"  # the flag wins
 
 
 def test_up_defaults_to_the_public_endpoint_and_demo_model():

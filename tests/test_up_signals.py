@@ -1,5 +1,5 @@
-"""``radixserve up`` as a process: Ctrl-C twice stops the stack at once and cleanly, and the engines' output is not
-garbled by progress bars."""
+"""``radixserve up`` as a process: Ctrl-C twice stops the stack at once and cleanly (exit status 0), and the engines'
+output is not garbled by progress bars and is tagged with its process."""
 
 import os
 import re
@@ -70,7 +70,8 @@ def test_double_ctrl_c_stops_the_stack_without_a_traceback(tmp_path):
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(30) == 130
+        # Both reach the router's shutdown (which still completes): a stop asked for, everything stopped: status 0.
+        assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -83,3 +84,8 @@ def test_double_ctrl_c_stops_the_stack_without_a_traceback(tmp_path):
     assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
     assert text.count("Application shutdown complete.") == 2, text[-3000:]  # the router's and the engine's
     assert "Loading weights" not in text and "it/s]" not in text and "tensor/s]" not in text
+    # Every line says which process wrote it, the real engine's (uvicorn's own lines included) and the router's.
+    lines = text.splitlines()
+    assert all(line.startswith(("router   | ", "engine-0 | ")) for line in lines), text[-3000:]
+    assert any(line.startswith("engine-0 | ") and "Application shutdown complete." in line for line in lines)
+    assert any(line.startswith("router   | ") and "radixserve.router: ready: " in line for line in lines)

@@ -6,6 +6,8 @@
                                 on 127.0.0.1:30000, 30001, ... serving the demo model (engine flags apply to each).
 ``radixserve operator [flags]`` the Kubernetes operator (kopf): reconciles InferenceServices
                                 (``radixserve.operator.main``; flags in ``add_operator_args``).
+``radixserve render -f FILE``   prints, offline, the Kubernetes objects an InferenceService becomes
+                                (``radixserve.operator.render_cli``).
 
 Engine flags are ``EngineArgs`` fields in ``--kebab-case`` (``radixserve.engine.config.add_engine_args``); router flags
 are ``RouterArgs`` fields (``radixserve.router.config.add_router_args``).
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     from radixserve.router.config import add_router_args
     from radixserve.router.policy import POLICIES
 
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,router,operator}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,router,operator,render}")
     p_engine = sub.add_parser("engine", help="run one engine (OpenAI-compatible HTTP server)")
     add_engine_args(p_engine)
     p_router = sub.add_parser("router", help="run the cache-aware router in front of engines")
@@ -63,8 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"run the local stack (router on {constants.PUBLIC_HOST}:{constants.PUBLIC_PORT} + engines)",
         description="--host/--port are the router's (the public endpoint); the engines listen on 127.0.0.1 from "
         "--engine-base-port, and --num-threads is shared evenly by them. Every other engine flag is passed to each "
-        "engine (when it differs from the engine's default), --api-key, --log-level and --max-request-body-bytes "
-        "included: those three apply to the router too (which calls the engines with that same --api-key).",
+        "engine (when it differs from the engine's default), --log-level and --max-request-body-bytes included: "
+        "those two apply to the router too. --api-key (default: $RADIXSERVE_API_KEY) applies to the router and to "
+        "every engine, which get it in their environment (RADIXSERVE_API_KEY), never on their command line; the "
+        "router calls them with it. Unlike `radixserve engine`, up defaults temperature to 0: it passes "
+        f"--preferred-sampling-params '{constants.DEMO_MODEL_SAMPLING_DEFAULTS}' to its engines unless you give that "
+        "flag, so a request that leaves temperature unset is decoded greedily; a request that sets it gets what it "
+        "asks for. Each output line starts with the process that wrote it (router, engine-0, ...). Ctrl-C or "
+        "SIGTERM stops the stack with exit status 0; an engine that fails to start 3 times in a row stops it with 1.",
     )
     add_engine_args(p_up)
     p_up.add_argument("--engines", type=int, default=2, help="engine processes behind the router (default 2)")
@@ -94,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
         "in-cluster service account, else the kubeconfig.",
     )
     add_operator_args(p_operator)
+    from radixserve.operator.render_cli import add_render_args
+
+    p_render = sub.add_parser(
+        "render",
+        help="print the Kubernetes objects an InferenceService becomes (offline, no cluster)",
+        description="Render InferenceService manifests as the operator would (same validation, same children), "
+        "offline: YAML documents on stdout, for review or `kubectl apply --dry-run=server -f -`. Exit status 2 with "
+        "one line on stderr when an input is not a valid InferenceService.",
+    )
+    add_render_args(p_render)
     return parser
 
 
@@ -101,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``radixserve`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     ns = build_parser().parse_args(argv)
+    if ns.command == "render":  # offline and quiet: no logging set-up
+        from radixserve.operator.render_cli import main as render_main
+
+        return render_main(ns)
     if not isinstance(logging.getLevelName(str(ns.log_level).upper()), int):
         print(
             f"radixserve {ns.command}: --log-level must be one of debug, info, warning, error, critical; got "
