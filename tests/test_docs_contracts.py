@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from radixserve.contracts import constants as c
+from radixserve.contracts.json_body import parse_json_object
 from radixserve.contracts.protocol import GenerateReqInput, error_body
 from radixserve.engine.io_struct import SamplingParams
 from radixserve.launch.cli import build_parser
@@ -132,10 +133,15 @@ def test_health_paths(doc):
     for who, path in (
         ("Engine", c.ENGINE_HEALTH_PATH),
         ("Engine", c.ENGINE_HEALTH_GENERATE_PATH),
+        ("Router", c.ROUTER_LIVE_PATH),
         ("Router", c.ROUTER_HEALTH_PATH),
         ("Router", c.ROUTER_READY_PATH),
     ):
         assert f"- {who} `GET {path}`" in text, f"{who} {path} is not documented"
+    shown = re.search(r"`state` = (.*?) \(routable again", text, re.S)
+    assert shown, "the router's worker states are not listed"
+    states = tuple(re.findall(r"`([a-z-]+)`", shown.group(1)))
+    assert states == c.ROUTER_WORKER_STATES, "the worker states listed differ from constants.ROUTER_WORKER_STATES"
     assert f"`GET {c.ENGINE_TOKENIZER_FILES_PATH}`" in doc
 
 
@@ -152,9 +158,14 @@ def test_native_generate(doc):
 def test_error_body_and_types(doc):
     text = section(doc, "Errors")
     body = error_body("m", 400, "p")
-    shown = re.search(r"`(\{\"object\": \"error\".*?\})`", text, re.S)
+    shown = re.search(r"`(\{\"error\": \{.*?\}\})`", text, re.S)
     assert shown, "the error body is not shown"
-    assert re.findall(r'"(\w+)":', shown.group(1)) == list(body), "the error body's keys differ from error_body()"
+    (outer,) = body
+    keys = [outer, *body[outer]]
+    assert re.findall(r'"(\w+)":', shown.group(1)) == keys, "the error body's keys differ from error_body()"
+    assert '`{"object": "error", "message": ...}`' in text and "is gone" in text, "the old flat body is not retired"
+    broken = parse_json_object(b'{"messages": [{"role": "user"}   {"role": "user"}]}')
+    assert f"`{broken}`" in " ".join(text.split()), "the broken-JSON message shown differs from parse_json_object()"
     rows = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| `(\d{3})` \| `([a-z_]+)` \|", text, re.M)}
     assert rows == c.ERROR_TYPES, "the status/type table differs from constants.ERROR_TYPES"
     assert "never a 422" in text
