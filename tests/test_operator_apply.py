@@ -391,3 +391,80 @@ async def test_a_rolebinding_whose_role_only_exists_in_the_dry_run_is_not_refuse
     with pytest.raises(ApplyRejected) as rejected:
         await _in_thread(apply, api, rbac[1], binding, None)
     assert rejected.value.http_status == 404 and f"RoleBinding/{binding['metadata']['name']}" in str(rejected.value)
+
+
+# --- the diff behind apply (pure) --------------------------------------------------------------------------------
+
+
+def _deployment(**pod_spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x", "labels": {"a": "1"}},
+        "spec": {
+            "replicas": 2,
+            "template": {
+                "spec": {
+                    "containers": [
+                        {"name": "c", "image": "i:1", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}
+                    ],
+                    **pod_spec,
+                }
+            },
+        },
+    }
+
+
+def _live(desired: dict[str, Any]) -> dict[str, Any]:
+    """``desired`` as the API server would store it after an apply: defaults added, quantities canonicalised."""
+    import copy
+
+    from radixserve.operator.apply import LAST_APPLIED_ANNOTATION, last_applied_record
+
+    live = copy.deepcopy(desired)
+    live["metadata"].update(
+        uid="u",
+        resourceVersion="7",
+        annotations={LAST_APPLIED_ANNOTATION: last_applied_record(desired), "deployment.kubernetes.io/revision": "1"},
+    )
+    c = live["spec"]["template"]["spec"]["containers"][0]
+    c.update(terminationMessagePath="/dev/termination-log", imagePullPolicy="IfNotPresent")
+    c["resources"]["limits"]["cpu"] = "1000m"
+    c["resources"]["limits"]["memory"] = str(1024**3)
+    live["spec"]["template"]["spec"]["dnsPolicy"] = "ClusterFirst"
+    live["status"] = {"readyReplicas": 2}
+    return live
+
+
+def test_defaults_other_writers_and_equal_quantities_are_not_drift():
+    from radixserve.operator.apply import merge_patch_for
+
+    desired = _deployment()
+    assert merge_patch_for(desired, _live(desired)) == {}
+
+
+def test_changed_fields_are_patched_and_fields_no_longer_desired_removed():
+    from radixserve.operator.apply import LAST_APPLIED_ANNOTATION, merge_patch_for
+
+    before = _deployment(nodeSelector={"gpu": "a100"})
+    live = _live(before)
+    after = _deployment()
+    after["spec"]["replicas"] = 3
+    after["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "2"
+    patch = merge_patch_for(after, live)
+    assert patch["spec"]["replicas"] == 3
+    assert patch["spec"]["template"]["spec"]["nodeSelector"] is None  # applied before, not wanted now
+    # The containers list changed since the last apply: replaced whole (merge-patch semantics).
+    assert patch["spec"]["template"]["spec"]["containers"] == after["spec"]["template"]["spec"]["containers"]
+    assert LAST_APPLIED_ANNOTATION in patch["metadata"]["annotations"]
+    assert "status" not in patch and "labels" not in patch["metadata"]
+
+
+def test_quantities_compare_by_value():
+    from radixserve.operator.apply import quantity, subset_equal
+
+    assert quantity("500m") == quantity("0.5") and quantity("1Ki") == quantity(1024) and quantity("1e3") == 1000
+    assert quantity("abc") is None and quantity(True) is None
+    assert subset_equal({"limits": {"cpu": "1"}}, {"limits": {"cpu": "1000m"}})
+    assert not subset_equal({"limits": {"cpu": "1"}}, {"limits": {"cpu": "1001m"}})
+    assert not subset_equal({"env": [{"value": "1"}]}, {"env": [{"value": "1.0"}]})  # not a quantity field
