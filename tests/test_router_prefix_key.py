@@ -80,6 +80,34 @@ def test_tokenizer_from_served_files_keys_like_the_original(tok):
     assert a.extract("completions", {"prompt": text}, MODEL) == b.extract("completions", {"prompt": text}, MODEL)
 
 
+@requires_model
+def test_router_tokenizer_does_not_import_torch(tok):
+    """Regression: the router built its tokenizer with AutoTokenizer, which imports torch (~250 MiB of RSS in a
+    process that runs no model). The rebuilt tokenizer, in a fresh interpreter, leaves torch unimported."""
+    import json
+    import subprocess
+    import sys
+
+    from radixserve.engine.server.http import saved_tokenizer_files
+
+    script = (
+        "import json, sys\n"
+        "from radixserve.router.tokenizer import tokenizer_from_files\n"
+        "t = tokenizer_from_files(json.load(sys.stdin))\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'ids': t.encode('hello world')}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        input=json.dumps(saved_tokenizer_files(tok)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    assert result == {"torch": False, "ids": tok.encode("hello world")}
+
+
 @pytest.mark.parametrize("name", ["../tokenizer.json", "a/b.json", "a\\b.json", "..", "", "x..json"])
 def test_tokenizer_files_reject_path_names(name):
     with pytest.raises(ValueError):

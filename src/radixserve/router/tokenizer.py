@@ -25,13 +25,13 @@ def _check_name(name: object) -> str:
 def tokenizer_from_files(files: dict[str, str]) -> Any:
     """Build a Hugging Face tokenizer from ``{file name: text}`` (an engine's ``/get_tokenizer_files`` ``files``).
 
-    Writes the files to a ``TemporaryDirectory`` and loads it with ``AutoTokenizer.from_pretrained`` (the loaded
-    tokenizer keeps everything in memory, so the directory is removed afterwards). Raises ``ValueError`` for an empty
+    Writes the files to a ``TemporaryDirectory`` and loads it (the loaded tokenizer keeps everything in memory, so
+    the directory is removed afterwards): with ``PreTrainedTokenizerFast`` when a ``tokenizer.json`` is among them
+    (the class ``AutoTokenizer`` picks for it too, but ``AutoTokenizer`` imports torch: ~250 MiB more per router),
+    else ``AutoTokenizer``. Raises ``ValueError`` for an empty
     mapping, a file name with a path separator or ``..``, or non-text content; whatever ``from_pretrained`` raises for
     files it cannot load (``OSError``, ``ValueError``...) propagates.
     """
-    from transformers import AutoTokenizer  # heavy import, only where a tokenizer is built
-
     if not isinstance(files, dict) or not files:
         raise ValueError("no tokenizer files given")
     checked = {_check_name(name): text for name, text in files.items()}
@@ -42,4 +42,11 @@ def tokenizer_from_files(files: dict[str, str]) -> Any:
         for name, text in checked.items():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
+        # Heavy imports, only where a tokenizer is built.
+        if "tokenizer.json" in checked:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(tmp)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(tmp)
