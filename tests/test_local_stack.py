@@ -177,3 +177,17 @@ def test_a_second_interrupt_while_stopping_kills_the_engines_at_once(tmp_path: P
             proc.kill()
     assert time.monotonic() - t0 < 10
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_killed_engine_is_described_by_its_signal():
+    """Regression: an engine killed with SIGKILL was logged as "exited with status -9"."""
+    import signal
+    import subprocess
+    import sys
+
+    from radixserve.launch.local_stack import describe_exit
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child.send_signal(signal.SIGKILL)
+    assert describe_exit(child.wait(timeout=10)) == "was killed by SIGKILL"
+    assert describe_exit(1) == "exited with status 1" and describe_exit(0) == "exited with status 0"

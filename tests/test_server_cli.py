@@ -285,3 +285,24 @@ def test_warmup_can_be_turned_off():
     # `--warmup` defaulted to on with store_true: there was no way to turn it off.
     assert build_parser().parse_args(["engine"]).warmup is True
     assert build_parser().parse_args(["engine", "--no-warmup"]).warmup is False
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--engine-base-port", "65535"], ["--engine-base-port", "70000"], ["--engine-base-port", "0"], ["--engines", "0"]],
+)
+def test_up_with_engine_ports_out_of_range_exits_2_naming_the_flag(flags, capsys):
+    """Regression: ``up --engine-base-port 65535`` (two engines: 65535 and 65536) crashed with an OverflowError
+    traceback from the port check."""
+    assert main(["up", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixserve up: --engine") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_up_help_states_the_defaults_of_its_own_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "this port + i (default: 30000)" in out
+    assert "(default: prefix_hash)" in out and "(default: 2)" in out

@@ -75,14 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGTERM stops the stack with exit status 0; an engine that fails to start 3 times in a row stops it with 1.",
     )
     add_engine_args(p_up)
-    p_up.add_argument("--engines", type=int, default=2, help="engine processes behind the router (default 2)")
+    p_up.add_argument(
+        "--engines", type=int, default=2, help="engine processes behind the router (default: %(default)s)"
+    )
     p_up.add_argument(
         "--engine-base-port",
         type=int,
         default=constants.ENGINE_PORT,
-        help="port of the first engine; the others take the next ports",
+        help="port of the first engine on 127.0.0.1; engine i listens on this port + i (default: %(default)s)",
     )
-    p_up.add_argument("--policy", choices=POLICIES, default="prefix_hash", help="routing policy")
+    p_up.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="prefix_hash",
+        help="routing policy of the router: prefix_hash routes by the prompt's prefix to the engine that holds it "
+        "(cache-aware, bounded load); the others balance load only (default: %(default)s)",
+    )
     # At OpenAI's default temperature 1.0 the 4-bit 135M demo model rambles (see DEMO_MODEL_SAMPLING_DEFAULTS);
     # requests that set temperature still get what they ask for.
     p_up.set_defaults(
@@ -179,8 +187,23 @@ def run_up(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
         log_level=engine_args.log_level,
         max_request_body_bytes=engine_args.max_request_body_bytes,
     )
+    check_engine_ports(ns.engines, ns.engine_base_port)
     resolve_model_paths(engine_args)
     return run_local_stack(engine_args, router_args, ns.engines, ns.engine_base_port)
+
+
+def check_engine_ports(engines: int, base_port: int) -> None:
+    """Raise ValueError naming the flag unless ``engines`` >= 1 and every engine port ``base_port`` ...
+    ``base_port + engines - 1`` is a TCP port (1-65535). Regression: ``--engine-base-port 65535`` crashed with a
+    traceback (OverflowError from bind) in the port check."""
+    if engines < 1:
+        raise ValueError(f"--engines must be at least 1, got {engines}")
+    last = base_port + engines - 1
+    if base_port < 1 or last > 65535:
+        raise ValueError(
+            f"--engine-base-port {base_port} with --engines {engines} needs ports {base_port}-{last}; "
+            "engine ports must lie within 1-65535"
+        )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -171,6 +171,18 @@ def size_engines(args: EngineArgs, engines: int, memory_limit_bytes: int | None 
     return dataclasses.replace(args, mem_fraction_static=fraction)
 
 
+def describe_exit(status: int | None) -> str:
+    """How a child ended, in words: ``exited with status 1``, or ``was killed by SIGKILL`` for the negative
+    ``returncode`` subprocess gives a child ended by a signal. Regression: a SIGKILLed engine read "exited with
+    status -9"."""
+    if status is not None and status < 0:
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
+
+
 def check_ports_free(ports: list[tuple[str, int]]) -> None:
     """Raise ValueError unless every ``(host, port)`` is distinct and free to listen on. Regression: an engine port
     held by another process (another engine, a second ``make run``) was silently fronted by the router while our
@@ -314,7 +326,7 @@ class EngineSupervisor:
                             self._give_up(i, proc.returncode)
                             return
                     delay = self.backoff[i]
-                    logger.warning("engine %d exited with status %s; restarting in %g s", i, proc.returncode, delay)
+                    logger.warning("engine %d %s; restarting in %g s", i, describe_exit(proc.returncode), delay)
                     restart_at[i] = now + delay
                     self.backoff[i] = min(delay * 2, self.max_backoff_s)
                 elif now >= due and not self._stopping.is_set():
@@ -322,10 +334,9 @@ class EngineSupervisor:
                     self._spawn(i)
 
     def _give_up(self, i: int, status: int | None) -> None:
-        self.failure = (
-            f"engine {i} failed to start {self.failed_starts[i]} times in a row; last exit status {status}; "
-            f"see its output above"
-        )
+        last = f"last exit status {status}" if status is None or status >= 0 else f"it last {describe_exit(status)}"
+        tries = self.failed_starts[i]
+        self.failure = f"engine {i} failed to start {tries} times in a row; {last}; see its output above"
         logger.error("%s", self.failure)
         if self.on_give_up is not None:
             self.on_give_up()
