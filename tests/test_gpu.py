@@ -9,18 +9,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import shutil
 import uuid
 
 import pytest
 import torch
 
 from conftest import MODEL_DIR
+from tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 TOKENIZER_DIR = os.environ.get("RADIXSERVE_TOKENIZER_DIR", MODEL_DIR)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def _has_flashinfer() -> bool:
@@ -33,30 +32,8 @@ def _has_flashinfer() -> bool:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    if not os.path.exists(os.path.join(TOKENIZER_DIR, "tokenizer.json")):
-        pytest.skip("no tokenizer files (set RADIXSERVE_TOKENIZER_DIR)")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    for f in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(TOKENIZER_DIR, f)):
-            shutil.copy(os.path.join(TOKENIZER_DIR, f), path / f)
-    return str(path)
+    return write_tiny_model(path, hidden_size=128, head_dim=32, tokenizer_dir=TOKENIZER_DIR)
 
 
 def _greedy(engine, prompts: list[list[int]], max_new: int = 16) -> list[list[int]]:

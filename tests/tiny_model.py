@@ -14,23 +14,30 @@ from conftest import MODEL_DIR
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def write_tiny_model(path: Path, max_position_embeddings: int = 2048) -> str:
-    """Save the tiny checkpoint (2 layers, 2 KV heads of 16 dims, vocab 49152) and the tokenizer files into ``path``;
-    returns the directory. Skips the test when the demo tokenizer is not there (run ``make install``)."""
-    if not os.path.exists(os.path.join(MODEL_DIR, "tokenizer.json")):
-        pytest.skip("demo tokenizer not converted; run `make install`")
+def write_tiny_model(
+    path: Path,
+    max_position_embeddings: int = 2048,
+    hidden_size: int = 64,
+    head_dim: int = 16,
+    tokenizer_dir: str = MODEL_DIR,
+) -> str:
+    """Save the tiny checkpoint (2 layers, 4 query and 2 KV heads of ``head_dim``, ``hidden_size`` wide, vocab 49152)
+    and the tokenizer files of ``tokenizer_dir`` into ``path``; returns the directory. Skips the test when the
+    tokenizer is not there (run ``make install``)."""
+    if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
+        pytest.skip(f"no tokenizer.json in {tokenizer_dir}; run `make install`")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         eos_token_id=2,
@@ -38,6 +45,6 @@ def write_tiny_model(path: Path, max_position_embeddings: int = 2048) -> str:
     )
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     for f in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(MODEL_DIR, f)):
-            shutil.copy(os.path.join(MODEL_DIR, f), path / f)
+        if os.path.exists(os.path.join(tokenizer_dir, f)):
+            shutil.copy(os.path.join(tokenizer_dir, f), path / f)
     return str(path)
