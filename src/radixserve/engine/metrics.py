@@ -12,19 +12,13 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    disable_created_metrics,
     generate_latest,
 )
 
 from radixserve.contracts import constants
+from radixserve.contracts.prometheus import process_registry
 
 P = constants.ENGINE_METRIC_PREFIX
-
-# No ``*_created`` series: one per counter and histogram child, they doubled the scrape and nothing reads them.
-# Process-wide in prometheus_client, so each wing's metrics module turns it off where its registry is made.
-disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Seconds; spans a sub-10 ms GPU token to a multi-second CPU prefill.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -87,11 +81,9 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
         if registry is None:
-            registry = CollectorRegistry()
-            # process_resident_memory_bytes, process_cpu_seconds_total, ... and python_info, as every exporter has;
-            # only in a registry of our own (a shared one may hold them already: registering twice raises).
-            ProcessCollector(registry=registry)
-            PlatformCollector(registry=registry)
+            # Process metrics only in a registry of our own (a shared one may hold them already: registering twice
+            # raises).
+            registry = process_registry()
         self.registry = registry
         self.model_name = model_name
         for name in constants.ENGINE_GAUGES:

@@ -24,17 +24,14 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    disable_created_metrics,
     generate_latest,
 )
 
 from radixserve.contracts import constants
+from radixserve.contracts.prometheus import process_registry
 
 __all__ = ["OperatorMetrics", "serve", "RECONCILE_KINDS", "RECONCILE_RESULTS"]
 
@@ -42,17 +39,12 @@ P = constants.OPERATOR_METRIC_PREFIX
 RECONCILE_KINDS = ("create", "update", "resume", "timer", "child")
 RECONCILE_RESULTS = ("success", "invalid_spec", "error")
 
-# No ``*_created`` series (one per counter and histogram child; nothing reads them). Process-wide in prometheus_client.
-disable_created_metrics()  # type: ignore[no-untyped-call]
-
 
 class OperatorMetrics:
     """The operator's metrics in their own registry (module doc for names and labels)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
-        PlatformCollector(registry=self.registry)  # python_info
+        self.registry = process_registry(auto_describe=True)
         reconciles, errors = constants.OPERATOR_COUNTERS
         (managed,) = constants.OPERATOR_GAUGES
         (duration,) = constants.OPERATOR_HISTOGRAMS

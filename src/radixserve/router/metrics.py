@@ -12,21 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import (
-    CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from radixserve.contracts.constants import ROUTER_METRIC_PREFIX as P
-
-# No ``*_created`` series (one per counter and histogram child; nothing reads them). Process-wide in prometheus_client.
-disable_created_metrics()  # type: ignore[no-untyped-call]
+from radixserve.contracts.prometheus import process_registry
 
 # Latency buckets in seconds: sub-millisecond (router-only errors) up to long generations.
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -37,10 +31,8 @@ class RouterMetrics:
     """One router's metrics. ``render()`` gives the exposition text and its content type."""
 
     def __init__(self, discovery_age: Callable[[], float | None] | None = None) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = process_registry()
         r = self.registry
-        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
-        PlatformCollector(registry=r)  # python_info
         self.requests = Counter(
             P + "requests_total", "Requests answered, by model and HTTP status", ["model", "code"], registry=r
         )
