@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import tomllib
 from typing import Any
 
@@ -503,16 +504,25 @@ def test_monitors_are_off_by_default_and_any_namespace_when_watching_all(default
         assert monitor["spec"]["namespaceSelector"] == {"any": True}
 
 
+BOTH_MONITORS_REFUSED = (
+    "metrics.serviceMonitor and metrics.podMonitor both scrape the engines, routers and operator (every target would "
+    "be scraped twice); enable one"
+)
+
+
 def test_service_monitor_and_pod_monitor_are_never_both_rendered():
     """Issue 11: the chart let both scrape every engine, router and operator pod (each target scraped twice, every
-    rate doubled in sum() queries). values.schema.json refuses both; the template refuses them too when the schema
-    is skipped."""
+    rate doubled in sum() queries). Round 2: the refusal said only "at '/metrics/podMonitor/enabled': value must be
+    false" (a values.schema.json rule; helm never shows a schema's description). The template refuses them with the
+    reason, with or without schema validation; helm lint shows the same line (as INFO: lint never fails on `fail`)."""
     both = {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}
-    with pytest.raises(HelmError, match="podMonitor/enabled"):
+    with pytest.raises(HelmError) as err:
         helm_template(both)
+    assert BOTH_MONITORS_REFUSED in err.value.output and "value must be false" not in err.value.output
     proc = run_helm(["template", "radixserve", str(CHART_DIR), "--skip-schema-validation"], both)
-    assert proc.returncode != 0 and "enable one, not both" in proc.stderr, proc.stderr
-    assert helm_lint(both).returncode != 0
+    assert proc.returncode != 0 and BOTH_MONITORS_REFUSED in proc.stderr, proc.stderr
+    lint = helm_lint(both)
+    assert BOTH_MONITORS_REFUSED in lint.stdout + lint.stderr
     off = {"metrics": {"serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": True}}}
     assert [o["kind"] for o in helm_template(off) if o["kind"].endswith("Monitor")] == ["PodMonitor"]
 
@@ -695,6 +705,21 @@ def test_notes_tell_how_to_apply_and_reach_the_router(tmp_path):
     assert "kubectl port-forward -n team-a svc/chat" in text
     assert "example InferenceService chat in namespace team-a" in text
     assert "ServiceMonitor llm" in text and "ConfigMap llm-dashboard" in text
+
+
+def test_notes_example_is_the_demo_example_file(tmp_path):
+    """Issue 11 round 2: the InferenceService the NOTES tell you to apply had no resources and no pool size (engine
+    pods without CPU / memory limits, ~2.8 GiB each); it is now the spec of examples/inferenceservice-demo.yaml."""
+    text = render_notes({}, tmp_path)
+    heredoc = re.search(r"cat <<YAML \| kubectl apply -f -\n(.*?)\n  YAML\n", text, re.S)
+    assert heredoc, text
+    applied = yaml.safe_load(textwrap.dedent(heredoc.group(1)))
+    with open(DEMO_EXAMPLE_PATH) as f:
+        example = yaml.safe_load(f)
+    assert applied["spec"] == example["spec"]
+    assert (applied["apiVersion"], applied["kind"]) == (example["apiVersion"], example["kind"])
+    assert applied["spec"]["engine"]["resources"]["limits"]["memory"]  # the point of the regression
+    isvc_spec.InferenceService.model_validate({**applied, "metadata": {**applied["metadata"], "namespace": NAMESPACE}})
 
 
 def test_a_release_name_with_dots_gives_valid_object_names():

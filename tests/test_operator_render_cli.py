@@ -7,6 +7,7 @@ OpenAPI schemas; bad input is one line on stderr and exit status 2, nothing on s
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,22 @@ def test_examples_render_to_the_operators_children_and_validate(path, capsys):
         assert "ownerReferences" not in obj["metadata"]  # no uid offline
     kinds = {o["kind"] for o in objects}
     assert {"ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"} <= kinds
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_output_has_no_yaml_anchors_or_aliases(path, capsys):
+    """Issue 11 round 2: the output said ``matchLabels: &id001`` ... ``labels: *id001`` (a dict shared between
+    objects); every object now spells out its own values."""
+    code, out, err = run(["-f", str(path)], capsys)
+    assert code == 0, err
+    assert not re.search(r"[&*]id\d+", out), [line for line in out.splitlines() if re.search(r"[&*]id\d+", line)]
+    events = {type(e).__name__ for e in yaml.parse(out)}
+    assert "AliasEvent" not in events
+    assert all(getattr(e, "anchor", None) is None for e in yaml.parse(out))
+    (engine,) = [
+        o for o in yaml.safe_load_all(out) if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-engine")
+    ]
+    assert engine["spec"]["selector"]["matchLabels"].items() <= engine["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_flags_set_image_namespace_and_pull_policy(capsys):

@@ -29,7 +29,24 @@ def test_error_body_shape(status):
 
 def test_error_body_defaults():
     assert error_body("x", 400)["error"]["param"] is None
-    assert error_body("x", 418)["error"]["type"] == "error"
+    # An unlisted status takes its class's OpenAI type, never a bare "error" (regression: the 405 said "type":"error").
+    assert error_body("x", 418)["error"]["type"] == "invalid_request_error"
+    assert error_body("x", 507)["error"]["type"] == "server_error"
+
+
+def test_every_status_the_edge_answers_has_an_openai_type():
+    """Issue 11 round 2, item 12: 405 and the rest have OpenAI's types: a client's mistake invalid_request_error (401
+    authentication_error, 404 not_found_error, 429 rate_limit_error), a server's failure server_error."""
+    for status in (401, 404, 405, 408, 409, 413, 415, 422, 429, 500, 502, 503, 504):
+        assert status in constants.ERROR_TYPES
+    assert {constants.ERROR_TYPES[s] for s in (400, 405, 408, 409, 413, 415, 422)} == {"invalid_request_error"}
+    assert (constants.ERROR_TYPES[401], constants.ERROR_TYPES[404], constants.ERROR_TYPES[429]) == (
+        "authentication_error",
+        "not_found_error",
+        "rate_limit_error",
+    )
+    assert {constants.ERROR_TYPES[s] for s in (500, 502, 503, 504)} == {"server_error"}
+    assert "error" not in constants.ERROR_TYPES.values()
 
 
 @pytest.mark.parametrize(

@@ -252,7 +252,7 @@ def test_mid_stream_error_is_an_sse_error_event(client, engine):
     r = client.post("/v1/chat/completions", json={"messages": MSGS, "stream": True, "max_tokens": 5})
     assert r.status_code == 200
     chunks = sse_payloads(r.text)
-    assert chunks[-1]["error"]["type"] == "internal_server_error" and chunks[-1]["error"]["code"] == 500
+    assert chunks[-1]["error"]["type"] == "server_error" and chunks[-1]["error"]["code"] == 500
     assert "boom" not in r.text  # no internals leak
 
 

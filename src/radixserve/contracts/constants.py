@@ -96,16 +96,28 @@ ENGINE_HISTOGRAMS = (
     "grammar_compile_seconds",
 )
 
-# Error types (OpenAI error body "type") by HTTP status
+# Error types (OpenAI error body "type") by HTTP status: OpenAI's invalid_request_error for a client's mistake and
+# server_error for ours; the statuses the OpenAI SDK raises a class of its own for (AuthenticationError, NotFoundError,
+# RateLimitError) the same name. Every status engine and router answer is here; any other takes its class's type
+# (protocol.error_type), so no body says "type": "error" (regression: a 405).
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_exceeded",
-    500: "internal_server_error",
-    503: "service_unavailable",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "server_error",
 }
+CLIENT_ERROR_TYPE = "invalid_request_error"  # any other 4xx
+SERVER_ERROR_TYPE = "server_error"  # any other status
 
 # Router metrics (names without ROUTER_METRIC_PREFIX) and labels
 ROUTER_COUNTERS = (

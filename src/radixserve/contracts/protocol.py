@@ -6,6 +6,10 @@ Shapes follow the official OpenAI API (chat completions, legacy completions, mod
 ignore them; every key that would change the output and that we cannot honour is declared here so the server can
 refuse it with a 400 instead of silently ignoring it.
 
+Request fields are validated strictly, as OpenAI checks types: a boolean is ``true`` / ``false`` only (not ``"yes"``
+nor ``1``), an integer a JSON integer (not ``"12"``, ``12.0`` nor ``true``), a number an integer or a float (not
+``"0.5"``); pydantic's lax mode would coerce all of these (regression: ``"stream": "yes"`` answered 200).
+
 This module must not import the engine: the router uses it too.
 """
 
@@ -24,17 +28,24 @@ MAX_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+def error_type(status: int) -> str:
+    """The OpenAI error ``type`` of HTTP ``status``: ``radixserve.contracts.constants.ERROR_TYPES``, else
+    ``invalid_request_error`` for any other 4xx and ``server_error`` for anything else (never a bare ``"error"``)."""
+    listed = constants.ERROR_TYPES.get(status)
+    if listed is not None:
+        return listed
+    return constants.CLIENT_ERROR_TYPE if 400 <= status < 500 else constants.SERVER_ERROR_TYPE
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``, the same for an HTTP answer and a
     mid-stream SSE event (docs/contracts.md, "Errors").
 
-    ``type`` comes from ``radixserve.contracts.constants.ERROR_TYPES`` by HTTP ``status`` (``"error"`` for an
-    unlisted status); ``code`` is the HTTP status (as vLLM sends it); ``param`` is the request field at fault (a path
-    such as ``messages[0].content``) or None. The OpenAI SDK reads ``body["error"]`` into ``APIError.message``,
-    ``.type``, ``.param`` and ``.code``.
+    ``type`` is ``error_type(status)``; ``code`` is the HTTP status (as vLLM sends it); ``param`` is the request field
+    at fault (a path such as ``messages[0].content``) or None. The OpenAI SDK reads ``body["error"]`` into
+    ``APIError.message``, ``.type``, ``.param`` and ``.code``.
     """
-    error_type = constants.ERROR_TYPES.get(status, "error")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
 
 
 def random_id() -> str:
@@ -47,15 +58,19 @@ def now() -> int:
     return int(time.time())
 
 
+# Request models: unknown keys are accepted and ignored, as OpenAI clients send fields we do not use; known ones are
+# type-checked strictly (module docstring). Strict still reads an int as a float (``"temperature": 1``), as OpenAI does.
+_REQUEST_CONFIG = ConfigDict(extra="allow", strict=True)
+
+
 class _Request(BaseModel):
-    # Unknown keys are accepted and ignored, as OpenAI clients send fields we do not use.
-    model_config = ConfigDict(extra="allow")
+    model_config = _REQUEST_CONFIG
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the request's usage."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = _REQUEST_CONFIG
     include_usage: bool = False
 
 
@@ -84,7 +99,7 @@ class _SamplingExtras(_Request):
 class ContentPart(BaseModel):
     """One part of a message's ``content`` list: ``{"type": "text", "text": ...}`` or a non-text part."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = _REQUEST_CONFIG
     type: str
     text: str | None = None
 
@@ -96,7 +111,7 @@ class ChatMessage(BaseModel):
     "arguments": JSON text}}``); ``tool_call_id``: on a ``role: "tool"`` message, the call it answers.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = _REQUEST_CONFIG
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None

@@ -2,10 +2,11 @@
 
 The same pure steps a reconcile runs before it writes anything (``handlers.Reconciler``): parse the object with the
 API model (``spec.InferenceService``), check its name, ``render.render_children``. No cluster, no credentials, no
-kopf: the output (YAML documents separated by ``---``, in the order the operator applies them) can be reviewed,
-diffed or piped to ``kubectl apply --dry-run=server -f -``. Objects carry no ownerReferences (there is no uid
-offline) and no status. Input: one or more files (``-`` is stdin), each one or more YAML documents, every one an
-InferenceService; a file without a namespace renders into ``--namespace`` (default ``default``, as kubectl).
+kopf: the output (YAML documents separated by ``---``, in the order the operator applies them, no anchors or
+aliases) can be reviewed, diffed or piped to ``kubectl apply --dry-run=server -f -``. Objects carry no
+ownerReferences (there is no uid offline) and no status. Input: one or more files (``-`` is stdin), each one or more
+YAML documents, every one an InferenceService; a file without a namespace renders into ``--namespace`` (default
+``default``, as kubectl).
 
 Exit status 0; 2 with one line on stderr (``radixserve render: FILE: ...``) for a missing file, bad YAML, a document
 that is not an InferenceService, or a spec that fails validation (the message the operator would put in its
@@ -32,7 +33,14 @@ API_VERSION = f"{constants.API_GROUP}/{constants.API_VERSION}"
 
 
 class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML ships no type stubs
-    """Multi-line strings (the ConfigMap's JSON) as ``|`` blocks, as kubectl prints them."""
+    """Multi-line strings (the ConfigMap's JSON) as ``|`` blocks, as kubectl prints them; no anchors / aliases.
+
+    The render functions share one dict between objects (a selector's ``matchLabels`` and its pod ``labels``), which
+    PyYAML would print once as ``&id001`` and then as ``*id001``: correct YAML, hard to review (issue 11, round 2).
+    """
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def _str(dumper: Any, value: str) -> Any:
