@@ -108,7 +108,7 @@ def test_max_total_tokens_wins_and_the_log_says_so():
 def test_a_fraction_too_small_for_weights_plus_one_context_is_an_error_naming_the_flag():
     with pytest.raises(ValueError, match=r"KV pool too small: --mem-fraction-static 0.05: .*one context \(8192 tokens"):
         cpu(8 * GiB, mem_fraction_static=0.05)  # 410 MiB - 270 MiB of weights < 180 MiB of one context
-    with pytest.raises(ValueError, match="KV pool too small: default"):
+    with pytest.raises(ValueError, match="KV pool too small: the default on CPU"):
         cpu(512 * MiB)  # the default on a tiny machine: the same clear error, not an OOM kill later
 
 
@@ -190,7 +190,11 @@ def test_runner_sizes_its_pool_within_the_memory_limit(tiny_model, monkeypatch, 
     assert 10 * MiB < weights < 20 * MiB  # ~13 MB of fp32 parameters
     per_token = r.kv_pool.bytes_per_token()
     assert r.max_total_tokens == (int(0.6 * 64 * MiB) - weights) // per_token  # not 2 GiB / 200k tokens
-    assert "KV pool size from default" in caplog.text
+    # One line: the pool's size, its tokens, and the rule that sized it (regression: "... within 0.6 x 23.5 GiB of
+    # the memory limit - 259 MiB of weights = 13.9 GiB" read as a 13.9 GiB pool).
+    rule = "the default on CPU: at most 2.0 GiB and 200,000 tokens, with weights + pool within 60% of the 64 MiB"
+    assert f"KV pool: {sizing.format_bytes(r.kv_pool.total_bytes())}, {r.max_total_tokens:,} tokens" in caplog.text
+    assert f"tokens at 512 B/token; sized by {rule} memory limit ({sizing.format_bytes(weights)} of wei" in caplog.text
     r = runner_mod.ModelRunner(tiny_model, dtype="float32", device="cpu", mem_fraction_static=0.5)
     assert r.max_total_tokens == (32 * MiB - weights) // per_token
     r = runner_mod.ModelRunner(
@@ -200,7 +204,8 @@ def test_runner_sizes_its_pool_within_the_memory_limit(tiny_model, monkeypatch, 
 
 
 def test_engine_whose_fraction_cannot_hold_a_context_exits_non_zero_with_one_line(tiny_model, capsys):
-    status = main(["engine", "--model-path", tiny_model, "--mem-fraction-static", "0.0000001", "--device", "cpu"])
+    flags = ["--mem-fraction-static", "0.0000001", "--device", "cpu", "--port", "0"]
+    status = main(["engine", "--model-path", tiny_model, *flags])
     assert status != 0
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]

@@ -1,10 +1,14 @@
-"""Serving an ASGI app with uvicorn, as the engine and the router both do: one ``serve`` with a hook on SIGINT/SIGTERM,
-probe requests kept out of the INFO access log, and the open-files limit raised for many concurrent streams."""
+"""Serving an ASGI app with uvicorn, as the engine and the router both do: ``bind_listen_sockets`` first (a port in
+use or a host that does not resolve is one line, before anything loads), one ``serve`` on those sockets with a hook on
+SIGINT/SIGTERM, probe requests kept out of the INFO access log, and the open-files limit raised for many concurrent
+streams."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -67,12 +71,76 @@ def raise_open_files_limit() -> None:
         pass
 
 
+class BindError(ValueError):
+    """The server cannot listen where ``--host`` / ``--port`` say; ``str()`` is one line naming the flag. A
+    ValueError, so the CLI prints it as it prints a bad flag value and exits 2."""
+
+
+def _address_text(address: tuple[Any, ...]) -> str:
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _bind_failure(host: str, port: int, address: tuple[Any, ...], e: OSError) -> str:
+    where = _address_text(address)
+    if e.errno == errno.EADDRINUSE:
+        return f"--port {port}: {where} is already in use (another server listens there)"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host}: {where} is not an address of this machine ({e.strerror})"
+    if e.errno == errno.EACCES:
+        return f"--port {port}: no permission to listen on {where} (ports below 1024 need privileges)"
+    return f"--host {host} --port {port}: cannot listen on {where} ({e.strerror or e})"
+
+
+def bind_listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """One TCP socket bound (not yet listening) to each address ``host`` resolves to, as asyncio's ``create_server``
+    (what uvicorn calls with a host and port) binds them: ``SO_REUSEADDR``, IPv6 sockets v6-only; ``port`` 0 takes a
+    free port. Bound but not listening, a connection is still refused until ``serve`` listens on them (probes of an
+    engine that is loading see what they saw before), yet a port some server listens on or a host that does not
+    resolve fails here, in milliseconds (regression: ``engine --port P`` with P in use, or ``--host
+    nosuchhost.invalid``, loaded the model for 6-19 s, then failed with uvicorn's exit status 3). A server that binds
+    the same port meanwhile and listens first makes ``serve``'s listen fail with the same ``BindError``.
+
+    Raises:
+        BindError: ``host`` does not resolve or is not this machine's, or ``port`` is in use or not allowed.
+    """
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise BindError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):  # unique, in the resolver's order
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                raise BindError(_bind_failure(host, port, address, e)) from None
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def listening_url(host: str, sockets: list[socket.socket]) -> str:
+    """``http://HOST:PORT`` for the log: ``host`` as given (``localhost`` stays readable), the port bound."""
+    port = sockets[0].getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def serve(
     app: Any,
     host: str,
     port: int,
     log_level: str,
     *,
+    sockets: list[socket.socket] | None = None,
+    on_listening: Callable[[str], None] | None = None,
     on_exit: Callable[[], None] | None = None,
     access_log: bool = True,
     probe_paths: Collection[str] = (),
@@ -80,8 +148,13 @@ def serve(
     **config: Any,
 ) -> int:
     """Serve ``app`` with uvicorn on ``host:port`` until SIGINT/SIGTERM; returns the exit status (0 once it served,
-    1 if it never started, e.g. the port was taken). After a graceful shutdown uvicorn re-raises the signal it
-    handled: SIGINT comes out of here as KeyboardInterrupt, SIGTERM ends the process with its default action.
+    1 if it never started). After a graceful shutdown uvicorn re-raises the signal it handled: SIGINT comes out of
+    here as KeyboardInterrupt, SIGTERM ends the process with its default action.
+
+    ``sockets``: from ``bind_listen_sockets(host, port)``, bound by the caller before its slow start-up (the engine
+    binds, then loads the model); without them ``serve`` binds first. Either way a port in use or a bad host raises
+    ``BindError`` (one line) before the app starts. ``on_listening(url)`` runs once the sockets listen, after the
+    app's lifespan started: the place for the "serving on URL" line (regression: logged before the bind failed).
 
     ``on_exit`` runs in the signal handler before uvicorn starts its graceful shutdown (each signal; must not block):
     the engine and the router end requests in flight there with a clean 503 / SSE error event instead of letting the
@@ -95,6 +168,19 @@ def serve(
     """
     import uvicorn
 
+    if sockets is None:
+        sockets = bind_listen_sockets(host, port)
+    url = listening_url(host, sockets)  # now: uvloop takes the sockets over (closes these objects) once it serves
+    try:
+        # Listen here, not in uvicorn: a second server bound to the port (SO_REUSEADDR; neither listening then)
+        # may have started listening since, and uvloop's create_server swallows that EADDRINUSE and "serves" a
+        # socket that takes no connection. Connections that come before uvicorn accepts wait in the backlog.
+        for sock in sockets:
+            sock.listen(config.get("backlog", 2048))
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        raise BindError(_bind_failure(host, port, (host, port), e)) from None
     access = logging.getLogger(ACCESS_LOGGER)
     probe_filter = ProbeAccessFilter(probe_paths)
     if probe_paths:
@@ -106,6 +192,11 @@ def serve(
             if on_exit is not None:
                 on_exit()
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and on_listening is not None:
+                on_listening(url)
 
         async def shutdown(self, sockets: Any = None) -> None:
             await super().shutdown(sockets)
@@ -122,8 +213,10 @@ def serve(
     error_log = logging.getLogger(ERROR_LOGGER)
     error_log.addFilter(forced_filter)
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         access.removeFilter(probe_filter)
         error_log.removeFilter(forced_filter)
+        for sock in sockets:
+            sock.close()
     return 0 if server.started else 1

@@ -139,11 +139,12 @@ HELP: dict[str, str] = {
     "api_key": "require 'Authorization: Bearer KEY' on every request but health probes and metrics (default: the "
     f"{API_KEY_ENV} environment variable, which keeps the key off the command line)",
     "log_level": "log level (case-insensitive)",
-    "warmup": "run a warmup forward pass before serving (--no-warmup: skip it)",
+    "warmup": "run a warm-up forward pass before serving (default: on; --no-warmup skips it)",
     "chat_template": "Jinja chat template replacing the tokenizer's: a file path, or the template text itself "
     "(default: the tokenizer's)",
     "preferred_sampling_params": "JSON object of sampling defaults for fields a request leaves unset, "
-    "e.g. '{\"temperature\": 0.2}'",
+    "e.g. '{\"temperature\": 0.2}' (default: none, so OpenAI's: temperature 1.0, top_p 1.0; radixserve up passes "
+    f"'{constants.DEMO_MODEL_SAMPLING_DEFAULTS}')",
     "default_chat_max_tokens": "compatibility: chat max_tokens when a request sends none (default: all the room "
     "left in the context)",
     "tool_choice_as_auto": "compatibility: serve tool_choice 'required' or a named function as 'auto' (no "

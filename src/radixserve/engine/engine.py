@@ -11,15 +11,18 @@ import concurrent.futures
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from radixserve.engine.config import EngineArgs
+from radixserve.engine.context_length import served_context, warn_if_too_short_for_chat
 from radixserve.engine.grammar.xgrammar_backend import GrammarBackend
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, SamplingParams
 from radixserve.engine.metrics import EngineMetrics
+from radixserve.engine.progress import quiet_library_progress_bars
 from radixserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from radixserve.engine.tokenizer.chat_template import apply_chat_template_flag
 
@@ -93,6 +96,7 @@ class Engine:
         self.sampling_defaults = parse_sampling_defaults(args.preferred_sampling_params)
         self.served_model_name = args.served_model_name or default_served_model_name(args.model_path)
         t0 = time.monotonic()
+        quiet_library_progress_bars()  # none in a log file or pipe (a pod's log); the loader's own bar follows suit
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         apply_chat_template_flag(self.tokenizer, args.chat_template)
         # Every torch op of this engine (load, warm-up, scheduler loop) runs on this one thread; see Scheduler.start.
@@ -109,7 +113,11 @@ class Engine:
             num_threads=args.num_threads,
         ).result()
         cfg = self.runner.model_config
-        self.context_length = min(args.context_length or cfg.context_length, self.runner.max_total_tokens)
+        context = served_context(
+            args.context_length, cfg.max_position_embeddings, self.runner.max_total_tokens, self.runner.kv_pool_rule
+        )
+        self.context_length = context.tokens
+        warn_if_too_short_for_chat(self.context_length, self.tokenizer)
         self.vocab_size = cfg.vocab_size
         eos = set(getattr(cfg, "eos_token_ids", None) or [])
         if self.tokenizer.eos_token_id is not None:
@@ -142,29 +150,49 @@ class Engine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[ReqOutput]]] = {}
         self._started = False
         self._shutting_down = False
+        self._lifecycle = threading.Lock()  # start and shutdown: a stop during warm-up must not start the loop
         logger.info(
-            "engine loaded %s in %.1f s (dtype %s, KV pool %d tokens, context %d)",
+            "engine loaded %s in %.1f s (dtype %s, KV pool %s tokens, context %s tokens from %s)",
             args.model_path,
             time.monotonic() - t0,
-            self.runner.dtype,
-            self.runner.max_total_tokens,
-            self.context_length,
+            str(self.runner.dtype).removeprefix("torch."),
+            f"{self.runner.max_total_tokens:,}",
+            f"{self.context_length:,}",
+            context.source,
         )
 
     # ----------------------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Warm up (one forward) and start the scheduler thread; ``is_healthy`` is True afterwards."""
-        if self.args.warmup:
-            self._torch_thread.submit(self.runner.warmup).result()
-        self.scheduler.start(self._torch_thread)
-        self._started = True
+        """Warm up (one forward) and start the scheduler thread; ``is_healthy`` is True afterwards.
+
+        A ``shutdown`` before or during the warm-up wins: the loop is not started and one INFO line says so
+        (regression: Ctrl-C or SIGTERM during the warm-up logged "engine failed to start" with a "cannot schedule
+        new futures after shutdown" traceback, the loop being submitted to the executor ``shutdown`` had closed)."""
+        with self._lifecycle:
+            if self._shutting_down:
+                logger.info("engine stopped before its warm-up; it served no request")
+                return
+            warmup = self._torch_thread.submit(self.runner.warmup) if self.args.warmup else None
+        if warmup is not None:
+            warmup.result()  # outside the lock: a stop must not wait for the forward
+        with self._lifecycle:
+            if self._stop_asked():  # a method, not the attribute: shutdown may have set it meanwhile
+                logger.info("engine stopped during its warm-up; it served no request")
+                return
+            self.scheduler.start(self._torch_thread)
+            self._started = True
 
     def shutdown(self) -> None:
-        """Stop the scheduler; every request in flight finishes with an abort."""
-        self._shutting_down = True
+        """Stop the scheduler; every request in flight finishes with an abort. Safe to call more than once, and
+        before or during ``start``."""
+        with self._lifecycle:
+            self._shutting_down = True
         self.scheduler.stop()
         self._torch_thread.shutdown(wait=False)
         self.grammar_backend.shutdown()
+
+    def _stop_asked(self) -> bool:
+        return self._shutting_down
 
     def is_healthy(self) -> bool:
         return self._started and not self._shutting_down and self.scheduler.alive

@@ -30,8 +30,13 @@ CPU_MAX_TOTAL_TOKENS = 200_000  # ... at most this many tokens ...
 CPU_DEFAULT_MEM_FRACTION = 0.6  # ... and weights + pool within this fraction of the memory limit
 
 
-def _fmt(n: float) -> str:
-    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / 2**20:.0f} MiB"
+def format_bytes(n: float) -> str:
+    """``2.0 GiB``, ``259 MiB``, ``22.5 KiB`` or ``256 B``, for log lines and errors."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 1024:.1f} KiB" if abs(n) >= 1024 else f"{n:.0f} B"
 
 
 def _read_int(path: str) -> int | None:
@@ -125,16 +130,21 @@ def size_kv_pool(
         if mem_fraction_static is not None:
             rule += f" (wins over --mem-fraction-static {mem_fraction_static})"
         return PoolSize(max_total_tokens, rule)
-    where = "of the GPU's memory" if device_type == "cuda" else "of the memory limit"
+    memory = (
+        f"the GPU's {format_bytes(memory_bytes)}"
+        if device_type == "cuda"
+        else f"the {format_bytes(memory_bytes)} memory limit"
+    )
     in_use = "in use" if device_type == "cuda" else "of weights"
     fraction = mem_fraction_static
+    flag = f"--mem-fraction-static {fraction}"
     if fraction is None and device_type == "cuda":
         fraction = CUDA_DEFAULT_MEM_FRACTION
+        flag = f"--mem-fraction-static {fraction} (the default on CUDA)"
     if fraction is not None:
-        flag = f"--mem-fraction-static {fraction}"
         pool = int(fraction * memory_bytes) - used_bytes
         tokens = pool // bytes_per_token
-        explain = f"{flag}: {fraction} x {_fmt(memory_bytes)} {where} - {_fmt(used_bytes)} {in_use} = {_fmt(pool)}"
+        explain = f"{flag}: {fraction} x {memory} - {format_bytes(used_bytes)} {in_use} = {format_bytes(pool)}"
         fix = "raise it, or lower --context-length, or give --max-total-tokens"
         cut_by_memory = True
     else:  # CPU default
@@ -142,14 +152,16 @@ def size_kv_pool(
         budget = min(CPU_MAX_TOTAL_TOKENS, CPU_KV_BUDGET_BYTES // bytes_per_token)
         tokens = min(budget, cap // bytes_per_token)
         explain = (
-            f"default: {_fmt(CPU_KV_BUDGET_BYTES)}, at most {CPU_MAX_TOTAL_TOKENS} tokens, within "
-            f"{CPU_DEFAULT_MEM_FRACTION} x {_fmt(memory_bytes)} {where} - {_fmt(used_bytes)} {in_use} = {_fmt(cap)}"
+            f"the default on CPU: at most {format_bytes(CPU_KV_BUDGET_BYTES)} and {CPU_MAX_TOTAL_TOKENS:,} tokens, "
+            f"with weights + pool within {CPU_DEFAULT_MEM_FRACTION:.0%} of {memory} ({format_bytes(used_bytes)} of "
+            f"weights leave {format_bytes(cap)})"
         )
         fix = "give --max-total-tokens or --mem-fraction-static, or lower --context-length"
         cut_by_memory = tokens < budget  # the memory limit, not the 2 GiB budget, set the size
     if tokens < context_length and cut_by_memory:
         need = context_length * bytes_per_token
         raise ValueError(
-            f"KV pool too small: {explain}, less than one context ({context_length} tokens = {_fmt(need)}); {fix}"
+            f"KV pool too small: {explain}, less than one context ({context_length} tokens = "
+            f"{format_bytes(need)}); {fix}"
         )
     return PoolSize(int(tokens), explain)

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from radixserve.engine.model.llama import LlamaForCausalLM
+from radixserve.engine.progress import progress_bars_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,8 @@ def iter_gguf(gguf_path: str) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
 
 
 def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
-    """Fill ``model``'s (materialised) parameters from ``model_path`` (HF dir or ``.gguf``), with a tqdm bar.
+    """Fill ``model``'s (materialised) parameters from ``model_path`` (HF dir or ``.gguf``), with a tqdm bar on a
+    terminal only (``progress_bars_enabled``: none in a log file or pipe).
 
     Raises:
         KeyError: a checkpoint tensor has no matching parameter.
@@ -93,7 +95,8 @@ def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
     }
     total, it = iter_gguf(model_path) if model_path.endswith(".gguf") else iter_safetensors(model_path)
     loaded: set[str] = set()
-    for name, tensor in tqdm(it, total=total, desc="Loading weights", unit="tensor"):
+    bar = tqdm(it, total=total, desc="Loading weights", unit="tensor", disable=not progress_bars_enabled())
+    for name, tensor in bar:
         if "rotary_emb" in name:
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -15,8 +15,9 @@ import time
 import torch
 
 from radixserve.engine.attention.base import create_attention_backend
+from radixserve.engine.context_length import check_context_length
 from radixserve.engine.memory.kv_pool import KVPool
-from radixserve.engine.memory.sizing import PoolSize, memory_limit_bytes, size_kv_pool
+from radixserve.engine.memory.sizing import PoolSize, format_bytes, memory_limit_bytes, size_kv_pool
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.model.llama import LlamaForCausalLM
@@ -83,7 +84,8 @@ class ModelRunner:
         num_threads: ``torch.set_num_threads`` when given.
 
     Raises:
-        ValueError: unsupported architecture / dtype / device / backend, a KV pool that cannot hold one context;
+        ValueError: unsupported architecture / dtype / device / backend, a ``context_length`` above the model's
+            ``max_position_embeddings`` (``check_context_length``), a KV pool that cannot hold one context;
             FileNotFoundError: no weights.
     """
 
@@ -106,6 +108,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_config = ModelConfig.from_pretrained(model_path, context_length)
         cfg = self.model_config
+        check_context_length(context_length, cfg.max_position_embeddings)  # before minutes of loading
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.model = LlamaForCausalLM(cfg, self.dtype, device="meta")
@@ -123,16 +126,17 @@ class ModelRunner:
         if max_total_tokens is not None and max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
         pool = self._size_kv_pool(max_total_tokens, mem_fraction_static)
-        logger.info("KV pool size from %s", pool.rule)
         self.max_total_tokens = pool.tokens
+        self.kv_pool_rule = pool.rule  # what sized the pool, in words (the engine's context-cut warning quotes it)
         self.kv_pool = KVPool(
             self.max_total_tokens + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
         logger.info(
-            "KV pool: max_total_tokens=%d (%.1f MiB, %d bytes/token)",
-            self.max_total_tokens,
-            self.kv_pool.total_bytes() / 2**20,
-            self.kv_pool.bytes_per_token(),
+            "KV pool: %s, %s tokens at %s/token; sized by %s",
+            format_bytes(self.kv_pool.total_bytes()),
+            f"{self.max_total_tokens:,}",
+            format_bytes(self.kv_pool.bytes_per_token()),
+            pool.rule,
         )
         self.attn_backend = create_attention_backend(
             attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device

@@ -205,20 +205,35 @@ def _log_start_failure(task: asyncio.Future[None]) -> None:
 def run_engine(args: EngineArgs) -> int:
     """Load the engine for ``args`` (the served model name defaults to the model directory's or GGUF file's name) and
     serve it with uvicorn on ``args.host:args.port`` until Ctrl-C/SIGTERM; returns the exit status. The app's
-    lifespan shuts the engine down."""
+    lifespan shuts the engine down.
+
+    Order: the model paths are checked, then the listening sockets are bound (``bind_listen_sockets``; a port in use
+    or a host that does not resolve raises its one-line ``BindError`` within milliseconds, before torch is imported),
+    then the model loads, then uvicorn listens on those sockets and the "serving ... on URL" line is logged. Ctrl-C
+    is a stop asked for, at any point: exit status 0, and while the model loads one INFO line."""
     import os
     import threading
 
     from radixserve.engine.model.locate import check_model_paths
 
     check_model_paths(args.model_path, args.tokenizer_path)  # one clear line (a ValueError) before torch is imported
-    from radixserve.contracts.serving import serve
-    from radixserve.engine.engine import Engine
+    from radixserve.contracts.serving import bind_listen_sockets, serve
 
-    if not args.served_model_name:
-        args.served_model_name = os.path.basename(os.path.normpath(args.model_path)).removesuffix(".gguf").lower()
-    logger.info("loading %s (served as %s)", args.model_path, args.served_model_name)
-    engine = Engine(args)
+    sockets = bind_listen_sockets(args.host, args.port)
+    try:
+        from radixserve.engine.engine import Engine
+
+        if not args.served_model_name:
+            args.served_model_name = os.path.basename(os.path.normpath(args.model_path)).removesuffix(".gguf").lower()
+        logger.info("loading %s (served as %s)", args.model_path, args.served_model_name)
+        engine = Engine(args)
+    except BaseException as e:
+        for sock in sockets:
+            sock.close()
+        if isinstance(e, KeyboardInterrupt):
+            logger.info("stopped while loading the model (Ctrl-C)")
+            return 0
+        raise
     app = create_app(engine)
 
     def abort_requests_in_flight() -> None:
@@ -226,13 +241,20 @@ def run_engine(args: EngineArgs) -> int:
         # letting uvicorn wait out its graceful timeout and cancel handlers mid-response.
         threading.Thread(target=engine.shutdown, name="radixserve-shutdown", daemon=True).start()
 
-    logger.info("serving %s on http://%s:%d", engine.served_model_name, args.host, args.port)
-    return serve(
-        app,
-        args.host,
-        args.port,
-        args.log_level,
-        on_exit=abort_requests_in_flight,
-        probe_paths=_PROBE_PATHS,
-        timeout_graceful_shutdown=5,
-    )
+    def log_serving(url: str) -> None:
+        logger.info("serving %s on %s", engine.served_model_name, url)
+
+    try:
+        return serve(
+            app,
+            args.host,
+            args.port,
+            args.log_level,
+            sockets=sockets,
+            on_listening=log_serving,
+            on_exit=abort_requests_in_flight,
+            probe_paths=_PROBE_PATHS,
+            timeout_graceful_shutdown=5,
+        )
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once shut down cleanly
+        return 0

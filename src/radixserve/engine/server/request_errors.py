@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 
-from radixserve.contracts.json_body import parse_json_object
+from radixserve.contracts.json_body import CONTENT_TYPE_MESSAGE, parse_json_object
 
 MAX_REPORTED_ERRORS = 5
 _REQUEST_PARTS = frozenset({"body", "query", "path", "header", "cookie"})  # FastAPI's first loc element
@@ -56,7 +56,7 @@ def validation_error(exc: RequestValidationError, raw: bytes | None) -> tuple[st
         if errors and errors[0].get("type") in ("model_attributes_type", "dict_type"):
             # A JSON object FastAPI did not read: sent without Content-Type application/json (``curl -d`` sends
             # application/x-www-form-urlencoded).
-            return "the request body must be sent with Content-Type: application/json", None
+            return CONTENT_TYPE_MESSAGE, None
     messages: dict[str, list[str]] = {}  # field path → its errors, in order
     for err in errors:
         where = field_path(err.get("loc", ()))
