@@ -6,6 +6,7 @@ Real engine HTTP layers over a scripted fake engine (tests/fake_engine.py) and a
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -151,3 +152,34 @@ def test_engine_and_router_word_a_body_that_is_not_an_object_alike(stack, body):
     )
     assert engine_r.status_code == router_r.status_code == 400
     assert engine_r.json() == router_r.json() and engine_r.json()["error"]["param"] is None
+
+
+@pytest.mark.parametrize("via", ["engine", "router"])
+def test_a_405_has_an_openai_type(stack, via):
+    """Issue 11 round 2, item 12: GET on a POST route answered ``"type": "error"``."""
+    url = dict(zip(["engine", "router"], urls(stack)))[via]
+    r = httpx.get(url + "/v1/chat/completions")
+    assert r.status_code == 405 and "POST" in r.headers["allow"]
+    assert r.json() == {
+        "error": {"message": "Method Not Allowed", "type": "invalid_request_error", "param": None, "code": 405}
+    }
+
+
+def test_server_side_errors_are_server_errors(stack):
+    """A 503 (engine: not ready; router: no engine routable) is OpenAI's ``server_error``, raised by the SDK as
+    InternalServerError (it said ``service_unavailable``)."""
+    engine, engine_url, _ = stack
+    engine.fail_with = InvalidRequestError("engine is not ready or is shutting down", None, 503)
+    try:
+        with pytest.raises(openai.InternalServerError) as info:
+            oai(engine_url).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+    finally:
+        engine.fail_with = None
+    assert info.value.status_code == 503 and info.value.type == "server_error" and info.value.code == "503"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connections are refused
+    with ServerThread(router_app(RouterArgs(worker_urls=[dead], health_interval_s=0.5))) as router:
+        with pytest.raises(openai.InternalServerError) as info:
+            oai(router).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+    assert info.value.status_code == 503 and info.value.type == "server_error"

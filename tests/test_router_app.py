@@ -78,14 +78,12 @@ def metric(url: str, name: str) -> float:
     return total
 
 
-def state_lines(caplog: Any, url: str) -> list[str]:
-    """The worker state-change lines the router logged for ``url``, as ``LEVEL message``."""
+def state_lines(caplog: Any, url: str, level: int = logging.WARNING) -> list[str]:
+    """The worker lines the router logged for ``url`` at ``level`` or above, as ``LEVEL message``."""
     return [
         f"{r.levelname} {r.getMessage()}"
         for r in caplog.records
-        if r.name == "radixserve.router.workers"
-        and r.getMessage().startswith(f"worker {url} ")
-        and r.levelno >= logging.WARNING
+        if r.name == "radixserve.router.workers" and r.getMessage().startswith(f"worker {url} ") and r.levelno >= level
     ]
 
 
@@ -271,6 +269,34 @@ def test_bad_json_400(stack):
     assert resp.headers[constants.HEADER_REQUEST_ID]
 
 
+FORM = {"content-type": "application/x-www-form-urlencoded"}  # what `curl -d` sends
+
+
+@pytest.mark.parametrize("headers", [FORM, {"content-type": "text/plain"}, {}], ids=["form", "text", "none"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/generate"])
+def test_a_json_object_without_a_json_content_type_is_the_engines_400(stack, headers, path):
+    # Newcomer trial, round 2: a form-encoded body got 200 through the router and 400 from an engine.
+    r, _, urls = stack
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 2} if path != "/generate" else {"text": "Hi"}
+    raw = json.dumps(body).encode()
+    via_router, direct = (httpx.post(u + path, content=raw, headers=headers) for u in (r, urls[0]))
+    expected = "the request body must be sent with Content-Type: application/json"
+    assert assert_error(via_router, 400) == assert_error(direct, 400)
+    assert via_router.json() == direct.json() and via_router.json()["error"]["message"] == expected
+    assert via_router.json()["error"]["param"] is None
+
+
+@pytest.mark.parametrize(
+    "ctype", ["application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json; charset=utf-8"]
+)
+def test_json_content_types_with_parameters_are_accepted(stack, ctype):
+    r, _, urls = stack
+    body = json.dumps({"text": "Hi", "sampling_params": {"max_new_tokens": 1}}).encode()
+    headers = {"content-type": ctype}
+    via_router, direct = (httpx.post(u + "/generate", content=body, headers=headers) for u in (r, urls[0]))
+    assert via_router.status_code == direct.status_code == 200, via_router.text
+
+
 def test_engine_400_passes_through_unchanged(stack):
     r, _, urls = stack
     bad = {"model": MODEL, "messages": MSGS, "max_tokens": 5000}  # over the fake engine's context length
@@ -439,12 +465,14 @@ def test_ejection_and_readmission_by_health_probe(tok, caplog):
         # Probing after readmit_after_s (routable on trial), healthy again on the next successful probe.
         assert wait_until(lambda: {w["url"]: w["state"] for w in health(r)["workers"]}[urls[0]] == "healthy", 30)
         assert health(r)["routable_workers"] == 2 and health(r)["status"] == "ok"
-    changes = state_lines(caplog, urls[0])
-    assert changes[0] == (
+    # The ejection is the one WARNING; recovery is good news, at INFO (newcomer trial: it was a WARNING too).
+    assert state_lines(caplog, urls[0]) == [
         f"WARNING worker {urls[0]} ejected: 503 Service Unavailable from GET /health (2 failures in a row)"
-    )
-    assert len(changes) == 3 and changes[1].startswith(f"WARNING worker {urls[0]} probing: ")
-    assert re.fullmatch(rf"WARNING worker {re.escape(urls[0])} healthy again after \d+\.\d s", changes[2])
+    ]
+    changes = state_lines(caplog, urls[0], logging.INFO)
+    changes = changes[next(i for i, line in enumerate(changes) if " ejected: " in line) :]
+    assert len(changes) == 3 and changes[1].startswith(f"INFO worker {urls[0]} probing: ")
+    assert re.fullmatch(rf"INFO worker {re.escape(urls[0])} healthy again after \d+\.\d s", changes[2])
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -484,10 +512,15 @@ def test_models_503_until_an_engine_is_routable_then_listed(tok):
         for e in fakes:
             e.healthy = False  # still loading: /health answers 503
         with router(urls, wait_for=0) as r:
+            loading = "no engine is ready yet (0 of 2 routable: 2 still starting); retry shortly"
             for path in ("/v1/models", "/v1/models/" + MODEL, "/ready"):
-                assert_error(httpx.get(r + path), 503, "no engine is ready yet (0 of 2 routable); retry shortly")
+                resp = httpx.get(r + path)
+                assert_error(resp, 503, loading)
+                assert resp.headers["retry-after"] == "1"  # engines still starting: retry soon
             chat = {"model": MODEL, "messages": MSGS, "max_tokens": 2}
-            assert_error(httpx.post(r + "/v1/chat/completions", json=chat), 503, "no engine is ready yet (0 of 2")
+            resp = httpx.post(r + "/v1/chat/completions", json=chat)
+            assert_error(resp, 503, loading)
+            assert resp.headers["retry-after"] == "1"
             fakes[0].healthy = True
             assert wait_until(lambda: httpx.get(r + "/v1/models").status_code == 200, 30)
             assert [m["id"] for m in httpx.get(r + "/v1/models").json()["data"]] == [MODEL]
@@ -552,7 +585,6 @@ def test_ready_announcer_counts_models_and_restarts_its_grace_clock(caplog):
     pool = _Pool(3)
     ann = ReadyAnnouncer(pool, "::1", 9000, grace_s=10.0)
     assert not ann.check(now=0.0)
-    assert ann.not_ready_message() == "no engine is ready yet (0 of 3 routable); retry shortly"
     pool.up = {"http://e0": ["b"]}
     assert not ann.check(now=1.0)  # grace clock starts
     pool.up = {}
@@ -564,14 +596,9 @@ def test_ready_announcer_counts_models_and_restarts_its_grace_clock(caplog):
     assert ready_lines(caplog) == [
         "ready: http://[::1]:9000/v1 — a, b on 2 of 3 engines (the others are not routable yet)"
     ]
-    pool.up = {}
-    assert ann.not_ready_message() == "no engine is routable now (0 of 3); retry shortly"
     pool.up = {f"http://e{i}": ["a"] for i in range(3)}
     assert ann.check(now=17.0) and ann.check(now=18.0)
     assert ready_lines(caplog)[1:] == ["all 3 engines routable — a"]
-    assert ReadyAnnouncer(_Pool(0), "127.0.0.1", 1).not_ready_message() == (
-        "no engine has been discovered yet; retry shortly"
-    )
 
 
 # ------------------------------------------------------------------------------------------------ streaming
@@ -764,12 +791,21 @@ def test_stream_with_lone_surrogate_is_the_engines_400_not_a_500(tok):
 
 
 def test_stream_options_read_as_the_engine_reads_them(tok):
-    """Regression: include_usage: 1 (which the engine reads as true) had its usage chunk stripped, and a malformed
-    stream_options (an engine 400) was overwritten and answered 200."""
+    """Regression: a malformed stream_options (an engine 400) was overwritten and answered 200. The engine reads
+    include_usage strictly (issue 11 round 2, item 9), so a flag that is not true / false ("false", 1) is the engine's
+    400 through the router too, never rewritten to true."""
     with engines(tok, 1) as (_, urls), router(urls) as r:
-        body = {"messages": MSGS, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": 1}}
+        body = {"messages": MSGS, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
         chunks = sse_payloads(httpx.post(r + "/v1/chat/completions", json=body, timeout=30).text)
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+        body["stream_options"] = {"include_usage": False}
+        chunks = sse_payloads(httpx.post(r + "/v1/chat/completions", json=body, timeout=30).text)
+        assert chunks[-1]["choices"] and all("usage" not in c or c["usage"] is None for c in chunks)
+        for bad in ({"include_usage": "false"}, {"include_usage": 1}):
+            body["stream_options"] = bad
+            resp = httpx.post(r + "/v1/chat/completions", json=body, timeout=30)
+            assert_error(resp, 400, "stream_options.include_usage: Input should be a valid boolean")
+            assert resp.json()["error"]["param"] == "stream_options.include_usage"
         body["stream_options"] = "x"
         assert_error(httpx.post(r + "/v1/chat/completions", json=body, timeout=30), 400)
 

@@ -40,6 +40,8 @@ def test_flags_map_to_fields():
         (("--worker-urls", "http://a:1", "--service-discovery"), "not both"),
         (("--service-discovery",), "--service-name"),
         (("--worker-urls", "http://a:1", "--load-factor", "0.5"), "--load-factor"),
+        (("--worker-urls", "http://a:1", "--cache-threshold", "1.5"), "--cache-threshold"),
+        (("--worker-urls", "http://a:1", "--cache-threshold", "-0.1"), "--cache-threshold"),
         (("--worker-urls", "http://a:1", "--block-tokens", "0"), "--block-tokens"),
         (("--worker-urls", "http://a:1", "--connect-timeout-s", "0"), "--connect-timeout-s"),
         (("--worker-urls", "http://a:1", "--pending-probe-interval-s", "0"), "--pending-probe-interval-s"),

@@ -84,8 +84,8 @@ def _check_ready_line(router: str, port: int, log_path: str, proc: subprocess.Po
     if not _ready_lines(log_path):
         assert models.status_code in (200, 503), models.text  # 200: one engine routable, the line awaits both
         if models.status_code == 503:
-            assert models.json()["error"]["type"] == "service_unavailable"
-            assert "no engine is ready yet (0 of 2 routable)" in models.json()["error"]["message"]
+            assert models.json()["error"]["type"] == "server_error"
+            assert "no engine is ready yet (0 of 2 routable: " in models.json()["error"]["message"]
     _wait(lambda: _ready_lines(log_path), 300, "the ready line", proc)
     reply = httpx.post(
         router + "/v1/chat/completions",

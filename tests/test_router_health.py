@@ -20,6 +20,7 @@ from radixserve.engine.server.http import create_app as engine_app
 from radixserve.router.app import create_app
 from radixserve.router.config import RouterArgs
 from test_router_app import MODEL, assert_error, dead_url, engines, health, router, state_lines
+from test_router_policy import newcomer_chat
 
 from conftest import free_port
 from fake_engine import FakeEngine, ServerThread, load_tokenizer, wait_until
@@ -51,7 +52,19 @@ def test_engine_behind_an_api_key_is_ejected_with_the_reason_and_health_says_una
         h = httpx.get(r + constants.ROUTER_HEALTH_PATH)
         assert h.status_code == 503 and h.json()["status"] == "unavailable" and h.json()["routable_workers"] == 0
         assert h.json()["workers"][0]["last_error"] == "401 Unauthorized from GET /v1/models " + KEY_HINT
-        assert_error(httpx.post(r + "/v1/completions", json={"prompt": "x", "max_tokens": 2}), 503)
+        # Round 2: clients got "no engine is ready yet (0 of 1 routable); retry shortly" for a misconfiguration that
+        # never clears, and no Retry-After. They get the reason, and the readmission delay to wait.
+        why = "no engine is routable (0 of 1): 1 ejected after 401 Unauthorized from GET /v1/models " + KEY_HINT
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        for resp in (
+            httpx.post(r + "/v1/completions", json={"prompt": "x", "max_tokens": 2}),
+            httpx.post(r + "/v1/chat/completions", json=chat),
+            httpx.get(r + "/v1/models"),
+            httpx.get(r + constants.ROUTER_READY_PATH),
+        ):
+            assert assert_error(resp, 503)["message"] == why
+            assert resp.headers["retry-after"] == "10"  # --readmit-after-s, not 1: this is no engine still loading
+        assert h.headers["retry-after"] == "10"
         assert httpx.get(r + constants.ROUTER_LIVE_PATH).status_code == 200  # the process itself is fine
     assert state_lines(router_log, url) == [
         f"WARNING worker {url} ejected: 401 Unauthorized from GET /v1/models {KEY_HINT}"
@@ -159,3 +172,35 @@ def test_fresh_prompt_is_cold_then_cache_affinity(tok, path):
         text = httpx.get(r + "/metrics").text
         assert 'radixserve_router_decisions_total{reason="cold"} 1.0' in text
         assert 'radixserve_router_decisions_total{reason="cache-affinity"} 1.0' in text
+
+
+def test_distinct_chats_and_short_completions_spread_over_both_engines(tok):
+    # Newcomer trial, round 2: ten different 200-word chats all went to one of two engines as cache-affinity (the
+    # chat template's system prompt was the only shared block), and 8 short completions all to one engine.
+    with engines(tok, 2) as (_, urls), router(urls) as r:
+        chats = []
+        for i in range(10):
+            body = newcomer_chat(i)
+            body["messages"] = body["messages"][1:]  # the template adds that system prompt itself
+            chats.append(httpx.post(r + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=30))
+        assert all(resp.status_code == 200 for resp in chats)
+        assert {resp.headers[constants.HEADER_ROUTE_REASON] for resp in chats} == {"cold"}
+        assert {resp.headers[constants.HEADER_WORKER] for resp in chats} == set(urls)
+        again = httpx.post(r + "/v1/chat/completions", json={**newcomer_chat(3), "max_tokens": 1}, timeout=30)
+        assert again.headers[constants.HEADER_WORKER] == chats[3].headers[constants.HEADER_WORKER]
+        assert again.headers[constants.HEADER_ROUTE_REASON] == "cache-affinity"
+        short = [
+            httpx.post(r + "/v1/completions", json={"prompt": f"Story number {i}: Once upon a time", "max_tokens": 1})
+            for i in range(8)
+        ]
+        assert {resp.headers[constants.HEADER_WORKER] for resp in short} == set(urls)
+
+
+def test_a_new_worker_is_said_to_serve_its_model_once(tok, router_log):
+    # Newcomer trial, round 2: "worker URL serves MODEL" came twice at start-up (discovery's first probe and the probe
+    # loop's both read the models while the tokenizer was being fetched).
+    with engines(tok, 1) as (_, urls), router(urls, pending_probe_interval_s=0.01) as r:
+        assert health(r)["status"] == "ok"
+    lines = state_lines(router_log, urls[0], logging.INFO)
+    assert lines.count(f"INFO worker {urls[0]} serves {MODEL}") == 1
+    assert lines.count(f"INFO worker {urls[0]} ready") == 1

@@ -199,6 +199,22 @@ def test_route_reasons_say_what_the_router_knows():
     assert spilled.worker != first.worker and spilled.reason == "load-spill"
 
 
+@pytest.mark.parametrize(("threshold", "expected"), [(0.5, "cold"), (0.25, "cache-affinity"), (0.0, "cache-affinity")])
+def test_a_match_is_affinity_only_from_the_cache_threshold_on(threshold, expected):
+    """A worker holding 1 of a prompt's 4 blocks wins it only when 1/4 reaches ``cache_threshold``; else the prompt is
+    cold on its key's owner (0: any match counts, the behaviour before the threshold)."""
+    ws = urls(2)
+    policy = PrefixHashPolicy(virtual_nodes=32, cache_threshold=threshold)
+    policy.set_workers(ws)
+    key = key_of(7, (11, 22, 33, 44), prompt_tokens=70)
+    owner = policy.walk(key.routing_key, ws)[0]
+    other = next(u for u in ws if u != owner)
+    policy.record(other, key_of(0, key.blocks[:1]))
+    first = policy.rank(key, idle(ws), 10)[0]
+    assert (first.worker, first.reason) == ((owner, "cold") if expected == "cold" else (other, "cache-affinity"))
+    assert first.predicted_cached_tokens == (0 if expected == "cold" else 16)
+
+
 def test_no_key_routes_to_the_least_loaded():
     policy = make_policy("prefix_hash")
     ws = urls(3)
@@ -262,6 +278,8 @@ def test_make_policy_names():
         make_policy("random")
     with pytest.raises(ValueError):
         make_policy("prefix_hash", load_factor=0.5)
+    with pytest.raises(ValueError, match="cache_threshold"):
+        make_policy("prefix_hash", cache_threshold=1.01)
 
 
 def test_round_robin_cycles():
@@ -376,7 +394,9 @@ class LoadModel:
 @pytest.mark.parametrize("concurrency", [1, 6])
 def test_turn_n_plus_1_follows_turn_n_whenever_load_allows(extractor, system, concurrency, slack):
     """16 conversations × 4 turns, interleaved, 4 workers: each turn goes to the previous turn's worker whenever that
-    worker fits the load bound (with no concurrency: always)."""
+    worker fits the load bound (with no concurrency: always) and holds at least the cache threshold (half) of the new
+    prompt's blocks, as it does once a conversation is past its first turns; a turn that more than doubles a short
+    prompt is routed as a fresh one, ``cold`` on its key's owner."""
     rng = random.Random(6)
     ws = urls(4)
     policy = make_policy("prefix_hash", balance_abs_tokens=slack)
@@ -386,22 +406,80 @@ def test_turn_n_plus_1_follows_turn_n_whenever_load_allows(extractor, system, co
         [{"role": "system", "content": f"Conversation {c}. " + sentence(rng, 40)}] if system else [] for c in range(16)
     ]
     last: dict[int, str] = {}
-    checked = stuck = 0
+    checked = stuck = below = 0
     for turn in range(4):
         for c in rng.sample(range(16), 16):
             convs[c].append({"role": "user", "content": f"Question {c}.{turn}: " + sentence(rng, 25)})
             key = extractor.extract("chat", {"model": MODEL, "messages": convs[c]}, MODEL)
             assert key is not None
+            held = policy.index.match(last[c], key.blocks) / len(key.blocks) if c in last else 0.0
+            owner = policy.walk(key.routing_key, ws)[0]
             decision, loads, cost_on = sim.route(key)
-            if c in last and fits(loads[last[c]], cost_on[last[c]], list(loads.values()), slack):
+            if c in last and held < 0.5:
+                below += 1
+                if fits(loads[owner], cost_on[owner], list(loads.values()), slack):
+                    assert (decision.worker, decision.reason) == (owner, "cold")
+            elif c in last and fits(loads[last[c]], cost_on[last[c]], list(loads.values()), slack):
                 checked += 1
                 stuck += decision.worker == last[c]
                 assert decision.reason == "cache-affinity"
             last[c] = decision.worker
             convs[c].append({"role": "assistant", "content": sentence(rng, 20)})
-    # The loaded run really exercised the property; the absolute slack keeps most turns within the bound.
-    assert checked >= (48 if concurrency == 1 else 40 if slack else 8)
+    # Only a second turn can double its conversation here; the loaded run really exercised the property, the
+    # absolute slack keeps most turns within the bound.
+    assert below <= 16
+    assert checked >= (48 - below if concurrency == 1 else 40 - below if slack else 8)
     assert stuck == checked
+
+
+# SmolLM2's chat template puts this system prompt first in every chat that has none: ~25 tokens, one shared block.
+SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+NEWCOMER_WORDS = (
+    "apple river mountain code kernel token cache tree router engine galaxy piano violin ocean desert forest"
+)
+
+
+def newcomer_chat(i: int) -> dict:
+    """Chat ``i`` of the newcomer's trial (their dist.py): a 200-word user message after the system prompt."""
+    rng = random.Random(i)
+    text = " ".join(rng.choice(NEWCOMER_WORDS.split()) for _ in range(200))
+    messages = [{"role": "system", "content": SMOLLM_SYSTEM}, {"role": "user", "content": f"{i} {text}"}]
+    return {"model": MODEL, "messages": messages}
+
+
+def test_fresh_chats_sharing_a_system_prompt_block_spread_over_workers_as_cold(extractor):
+    """Regression (newcomer trial, round 2): ten different 200-word chats all went to one of two engines, labelled
+    cache-affinity: the engine that served the first held the template's system-prompt block, and any match won. A
+    match under ``cache_threshold`` (half the prompt's blocks) is no affinity: each chat goes cold to its own key's
+    owner. The same chat again goes back to its engine, as cache-affinity."""
+    ws = urls(2)
+    policy = make_policy("prefix_hash")
+    policy.set_workers(ws)
+    sim = LoadModel(policy, ws, concurrency=1)
+    keys = [extractor.extract("chat", newcomer_chat(i), MODEL) for i in range(10)]
+    assert len({k.blocks[0] for k in keys}) == 1 and len({k.blocks[1] for k in keys}) == 10  # one shared block
+    decisions = [sim.route(k)[0] for k in keys]
+    assert [d.reason for d in decisions] == ["cold"] * 10
+    assert [d.worker for d in decisions] == [policy.walk(k.routing_key, ws)[0] for k in keys]
+    assert {d.worker for d in decisions} == set(ws)  # not all on one
+    again = sim.route(keys[3])[0]
+    assert (again.worker, again.reason) == (decisions[3].worker, "cache-affinity")
+
+
+def test_short_prompts_spread_over_workers(extractor):
+    """Regression (newcomer trial, round 2): every prompt shorter than one block had the namespace hash as its routing
+    key, so the 8 parallel completions of their load.py (9 tokens each) all went to one engine. The key now
+    hashes the partial block: distinct short prompts get distinct keys, the same prompt the same one."""
+    prompts = [f"Story number {i}: Once upon a time" for i in range(8)]
+    keys = [extractor.extract("completions", {"model": MODEL, "prompt": p}, MODEL) for p in prompts]
+    assert all(k.blocks == () for k in keys)
+    assert len({k.routing_key for k in keys}) == 8
+    assert extractor.extract("completions", {"model": MODEL, "prompt": prompts[0]}, MODEL) == keys[0]
+    ws = urls(2)
+    policy = make_policy("prefix_hash")
+    policy.set_workers(ws)
+    decisions = [policy.rank(k, idle(ws), 120)[0] for k in keys]
+    assert {d.reason for d in decisions} == {"cold"} and {d.worker for d in decisions} == set(ws)
 
 
 def test_shared_system_prompt_stays_on_its_worker_until_load_spills(extractor):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -31,9 +31,15 @@ def valid_request_id(value: str | None) -> bool:
     return value is not None and 0 < len(value) <= MAX_REQUEST_ID_LEN and all(33 <= ord(c) < 127 for c in value)
 
 
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    """A JSON response with the OpenAI error body."""
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def error_response(
+    message: str, status: int, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """A JSON response with the OpenAI error body and ``headers``; a 429 or 503 says ``Retry-After: 1`` (seconds)
+    unless ``headers`` give one, so a client (or the router) knows the refusal is temporary and when to retry."""
+    out = dict(headers or {})
+    if status in (429, 503):
+        out.setdefault("retry-after", "1")
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=out)
 
 
 async def http_exception_handler(request: Request, exc: Exception) -> JSONResponse:

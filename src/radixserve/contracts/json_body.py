@@ -1,13 +1,31 @@
 """A request's JSON body, read the same way by the engine and the router: the JSON object, or the message of the 400
-that says what is wrong with it (where the JSON breaks, an empty body, a body that is not an object)."""
+that says what is wrong with it (where the JSON breaks, an empty body, a body that is not an object, a JSON object
+sent without a JSON Content-Type)."""
 
 from __future__ import annotations
 
+import email.message
 import json
 from typing import Any
 
 EMPTY_BODY_MESSAGE = "the request body is empty; a JSON object is expected"
 NOT_AN_OBJECT_MESSAGE = "the request body must be a JSON object"
+# A JSON object sent as something else, e.g. by `curl -d` (application/x-www-form-urlencoded).
+CONTENT_TYPE_MESSAGE = "the request body must be sent with Content-Type: application/json"
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """Whether a ``Content-Type`` header value announces JSON as the engine's FastAPI reads it: ``application/json``
+    or ``application/*+json``, any case, parameters (``; charset=utf-8``) allowed; no header or an empty one is not
+    JSON (FastAPI's ``strict_content_type``, the default)."""
+    if value == "application/json":
+        return True  # what nearly every client sends: no parsing
+    if not value:
+        return False
+    header = email.message.Message()
+    header["content-type"] = value
+    subtype = header.get_content_subtype()
+    return header.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any] | str:

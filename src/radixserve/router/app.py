@@ -117,6 +117,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         virtual_nodes=args.virtual_nodes,
         load_factor=args.load_factor,
         balance_abs_tokens=args.balance_abs_tokens,
+        cache_threshold=args.cache_threshold,
     )
     extractor = PrefixKeyExtractor(
         block_tokens=args.block_tokens, block_chars=args.block_chars, prefix_blocks=args.prefix_blocks
@@ -139,7 +140,6 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     pool = WorkerPool(args, policy, extractor, metrics, control)
     proxy = Proxy(args, pool, policy, extractor, metrics, transport, timeout)
     readiness = ReadyAnnouncer(pool, args.host, args.port)
-    proxy.unavailable_message = readiness.not_ready_message
 
     def on_change(endpoints: dict[str, Any]) -> None:
         pool.sync({ep.url: ep for ep in endpoints.values()})
@@ -209,18 +209,24 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
                     seen[m] = ModelCard(**fields).model_dump()
         return [seen[m] for m in sorted(seen)]
 
+    def unroutable() -> JSONResponse:
+        """The 503 while no engine is routable: why (engines still starting, or ejected and for what), and when to
+        retry."""
+        why = proxy.unroutable(None)
+        return _error_response(why.message, 503, headers={"retry-after": str(why.retry_after_s)})
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         # 503, not an empty list, while nothing is routable: an empty list reads as "this server has no models".
         if not pool.routable(None):
-            return _error_response(readiness.not_ready_message(), 503)
+            return unroutable()
         return JSONResponse({"object": "list", "data": cards()})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> JSONResponse:
         found = cards(model)
         if not found and not pool.routable(None):
-            return _error_response(readiness.not_ready_message(), 503)
+            return unroutable()
         if not found:
             return _error_response(f"The model `{model}` does not exist.", 404, "model")
         return JSONResponse(found[0])
@@ -249,6 +255,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
                 "workers": [w.describe() for w in pool.workers.values()],
             },
             status_code=503 if status == "unavailable" else 200,
+            headers={"retry-after": str(proxy.unroutable(None).retry_after_s)} if status == "unavailable" else None,
         )
 
     @app.get(constants.ROUTER_READY_PATH)
@@ -256,7 +263,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         n = len(pool.routable(None))
         if n:
             return JSONResponse({"status": "ready", "routable_workers": n})
-        return _error_response(readiness.not_ready_message(), 503)
+        return unroutable()
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -292,12 +299,12 @@ def run_router(args: RouterArgs) -> int:
         if loop is not None:
             loop.call_soon_threadsafe(app.state.proxy.begin_shutdown)
 
-    logger.info("router serving on http://%s:%d", args.host, args.port)
-    return serve(
+    return serve(  # binds first: a port in use is a one-line BindError (exit 2), the "serving" line only once bound
         app,
         args.host,
         args.port,
         args.log_level,
+        on_listening=lambda url: logger.info("router serving on %s", url),
         on_exit=end_requests_in_flight,
         access_log=False,
         probe_paths=_OPEN_PATHS,

@@ -50,6 +50,7 @@ class RouterArgs:
     load_factor: float = 1.25  # bounded-load cap: a worker may take up to load_factor x the mean load
     upstream_transport: str = "aiohttp"  # aiohttp (faster pool under the httpx API) | httpx
     balance_abs_tokens: int = 2048  # ...once it carries this many more tokens in flight than the least loaded one
+    cache_threshold: float = 0.5  # a predicted match is cache affinity from this fraction of the prompt's blocks on
     virtual_nodes: int = 256  # ring points per worker
     default_max_tokens: int = 256  # cost estimate of a request that sets no max tokens
     connect_timeout_s: float = 10.0
@@ -113,6 +114,8 @@ class RouterArgs:
             raise RouterConfigError(f"--upstream-transport must be aiohttp or httpx, got {self.upstream_transport!r}")
         if self.balance_abs_tokens < 0:
             raise RouterConfigError(f"--balance-abs-tokens must be >= 0, got {self.balance_abs_tokens}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise RouterConfigError(f"--cache-threshold must be between 0 and 1, got {self.cache_threshold}")
         if not self.load_factor >= 1.0:
             raise RouterConfigError(f"--load-factor must be at least 1.0, got {self.load_factor}")
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
@@ -143,6 +146,9 @@ HELP: dict[str, str] = {
     "upstream_transport": "HTTP client to the engines",
     "balance_abs_tokens": "bounded load: a worker is over the cap only once it also carries this many more tokens in "
     "flight than the least loaded one",
+    "cache_threshold": "prefix_hash: an engine predicted to hold at least this fraction of a prompt's prefix blocks "
+    "gets it for its cache (cache-affinity); below, the prompt goes to its key's owner on the ring (cold), as "
+    "sgl-router's --cache-threshold; 0 = any match",
     "virtual_nodes": "hash-ring points per worker",
     "default_max_tokens": "cost estimate (tokens) of a request that sets no max tokens",
     "connect_timeout_s": "seconds to connect to an engine",

@@ -111,8 +111,9 @@ class PrefixKeyExtractor:
 
     ``block_tokens``: tokens per block (token keys); ``block_chars``: characters per block when the router has no
     tokenizer for the model (then ``block_tokens`` is estimated as ``block_chars // 4``); ``prefix_blocks``: K, the
-    blocks the ring routing key covers; ``max_blocks``: at most this many blocks are hashed (longer prompts keep
-    their first ``max_blocks``). Costs one chat-template render, one ``encode`` and one 8-byte blake2b per block.
+    blocks the ring routing key covers (a shorter prompt's key covers all of it); ``max_blocks``: at most this many
+    blocks are hashed (longer prompts keep their first ``max_blocks``). Costs one chat-template render, one
+    ``encode`` and one 8-byte blake2b per block.
     """
 
     def __init__(self, block_tokens: int = 16, block_chars: int = 64, prefix_blocks: int = 8, max_blocks: int = 512):
@@ -231,13 +232,22 @@ class PrefixKeyExtractor:
         self,
         kind: Literal["tokens", "chars"],
         model: str,
-        h0: bytes,
         blocks: list[int],
+        last: bytes,
+        tail: bytes,
         prompt_tokens: int,
         block_tokens: int,
     ) -> PrefixKey:
-        k = min(self.prefix_blocks, len(blocks))
-        routing_key = blocks[k - 1] if k else _as_int(h0)
+        """The key of a prompt whose full blocks hash to ``blocks`` (``last``: the chained digest after them, ``h_0``
+        for none) and whose next, partial block is ``tail`` (the bytes hashed per block; empty when none)."""
+        if len(blocks) >= self.prefix_blocks:
+            routing_key = blocks[self.prefix_blocks - 1]
+        elif tail:
+            # Shorter than K blocks: the key covers the partial block too, so short prompts spread over the ring
+            # (regression: every prompt under one block had the namespace as its key and went to one engine).
+            routing_key = _as_int(_digest(last + tail))
+        else:
+            routing_key = _as_int(last)
         return PrefixKey(model, kind, tuple(blocks), routing_key, prompt_tokens, block_tokens)
 
     def _ids_key(self, ids: list[Any], model: str, salt: Any, estimated_extra_tokens: int = 0) -> PrefixKey | None:
@@ -259,7 +269,8 @@ class PrefixKeyExtractor:
         for off in range(0, n_full * step, step):
             prev = _digest(prev + buf[off : off + step])
             blocks.append(_as_int(prev))
-        return self._key("tokens", model, h0, blocks, len(ids) + estimated_extra_tokens, bt)
+        tail = buf[n_full * step : (n_full + 1) * step]
+        return self._key("tokens", model, blocks, prev, tail, len(ids) + estimated_extra_tokens, bt)
 
     def _chars_key(self, text: str, model: str, salt: Any) -> PrefixKey | None:
         """Character blocks of ``block_chars`` characters; tokens estimated at 4 characters each."""
@@ -276,4 +287,5 @@ class PrefixKeyExtractor:
         for off in range(0, n_full * bc, bc):
             prev = _digest(prev + text[off : off + bc].encode("utf-8"))
             blocks.append(_as_int(prev))
-        return self._key("chars", model, h0, blocks, (len(text) + 3) // 4, max(1, bc // 4))
+        tail = text[n_full * bc : (n_full + 1) * bc].encode("utf-8")
+        return self._key("chars", model, blocks, prev, tail, (len(text) + 3) // 4, max(1, bc // 4))

@@ -1,13 +1,14 @@
 """The request path: pick the engine for one request and relay its answer byte for byte.
 
 ``Proxy.endpoint(kind, path)`` is a pure ASGI app for ``POST /v1/chat/completions`` (``chat``), ``/v1/completions``
-(``completions``) and ``/generate`` (``generate``). Per request: one JSON parse; the ``model`` field picks the
-workers; the prefix key (``PrefixKeyExtractor.extract``) and a token cost feed ``policy.rank``; candidates are tried
-in rank order, moving on (reason ``retry``) after a connect error, a connection dropped before any answer, or a 503
-before the first byte, at most ``max_retries`` times. Every other answer, 4xx included, is relayed unchanged: the
-body goes through chunk by chunk as it arrives (never buffered), with ``x-radixserve-worker`` and
-``x-radixserve-route-reason`` added. A client that leaves closes the upstream response at once, so the engine aborts
-the request and frees its KV cache.
+(``completions``) and ``/generate`` (``generate``). Per request: one JSON parse (a body that is not a JSON object,
+or one without a JSON ``Content-Type``, is the engine's 400, word for word); the ``model`` field picks the workers;
+the prefix key (``PrefixKeyExtractor.extract``) and a token cost feed ``policy.rank``; candidates are tried in rank
+order, moving on (reason ``retry``) after a connect error, a connection dropped before any answer, or a 503 before
+the first byte, at most ``max_retries`` times. Every other answer, 4xx included, is relayed unchanged: the body goes
+through chunk by chunk as it arrives (never buffered), with ``x-radixserve-worker`` and ``x-radixserve-route-reason``
+added (and ``Retry-After`` on a 429 or 503 without one). A client that leaves closes the upstream response at once,
+so the engine aborts the request and frees its KV cache.
 
 For streams on the OpenAI endpoints the router asks the engine for the usage chunk (``stream_options.include_usage``)
 to read ``cached_tokens``, and strips that chunk when the client did not ask for it. SSE events are split on the blank
@@ -21,7 +22,6 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
 from typing import Any, Literal
 
 import httpx
@@ -29,13 +29,14 @@ from starlette.types import Receive, Scope, Send
 
 from radixserve.contracts import constants
 from radixserve.contracts.edge import BODY_SCOPE_KEY, REQUEST_ID_SCOPE_KEY
-from radixserve.contracts.json_body import parse_json_object
+from radixserve.contracts.json_body import CONTENT_TYPE_MESSAGE, is_json_content_type, parse_json_object
 from radixserve.contracts.protocol import error_body, random_id
 from radixserve.contracts.sse import SSE_DONE, sse_error
 from radixserve.router.breaker import failure_reason, status_reason
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.types import PrefixKey, RouteDecision, RoutingPolicy
+from radixserve.router.unavailable import RETRY_SOON_S, Unroutable, retry_after_header, unroutable
 from radixserve.router.workers import WorkerPool, WorkerState
 
 logger = logging.getLogger("radixserve.router.proxy")
@@ -59,14 +60,6 @@ _RELAYED = frozenset({"content-type", "content-length", "content-encoding", "ret
 
 class _Dropped(Exception):
     """The upstream connection failed before any answer (connect error / refused / dropped): try the next one."""
-
-
-_FALSY = (None, False, 0, "", "false", "False", "0", "no", "off", "f", "n")
-
-
-def _truthy(value: Any) -> bool:
-    """``stream_options.include_usage`` as the engine's (pydantic, lax) parsing reads it."""
-    return value not in _FALSY
 
 
 class Proxy:
@@ -99,8 +92,6 @@ class Proxy:
         self._decision_children = {r: metrics.decisions.labels(r) for r in constants.ROUTE_REASONS}
         self._active: set[asyncio.Task[Any]] = set()  # tasks relaying a request (ended early on shutdown)
         self.shutting_down = False
-        # The 503 message while no engine serves any model yet; the app sets the readiness one ("0 of 2 routable").
-        self.unavailable_message: Callable[[], str] = lambda: "no engine is available"
 
     def begin_shutdown(self) -> None:
         """End every request in flight now (call on the event loop): a client gets a 503, or for a stream already
@@ -130,11 +121,15 @@ class Proxy:
         param: str | None = None,
         t0: float | None = None,
         worker: str | None = None,
+        retry_after_s: int = RETRY_SOON_S,
     ) -> None:
         """Answer an OpenAI error body and count it (with its duration when ``t0``, the arrival time, is given;
-        naming the engine at fault in ``x-radixserve-worker`` when ``worker`` is)."""
+        naming the engine at fault in ``x-radixserve-worker`` when ``worker`` is; a 429 or 503 with
+        ``Retry-After: retry_after_s``)."""
         body = json.dumps(error_body(message, status, param)).encode()
         headers = [_JSON_CT, (b"content-length", str(len(body)).encode())]
+        if status in (429, 503):
+            headers.append(retry_after_header(retry_after_s))
         if worker is not None:
             headers.append((_H_WORKER, worker.encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -148,8 +143,12 @@ class Proxy:
         """The JSON object in ``raw``, or the message of the 400 to answer (the engine's, word for word)."""
         return parse_json_object(raw)
 
+    def unroutable(self, model: str | None) -> Unroutable:
+        """Why no engine (for ``model``, or any) takes a request now: the 503's message and Retry-After."""
+        return unroutable(self.pool.workers.values(), self.args.readmit_after_s, model)
+
     def _resolve_model(self, kind: Kind, body: dict[str, Any]) -> tuple[int, str]:
-        """(0, model) or (HTTP status, error message)."""
+        """(0, model) or (HTTP status, error message; 503: no engine serves any model, see ``unroutable``)."""
         model = body.get("model")
         served = self.pool.models()
         if model is not None and not isinstance(model, str):
@@ -158,11 +157,11 @@ class Proxy:
             if len(served) == 1:
                 return 0, next(iter(served))
             if not served:
-                return 503, self.unavailable_message()
+                return 503, self.unroutable(None).message
             return 400, f"model is required: this router serves {', '.join(sorted(served))}"
         if model not in served:
             if not served:
-                return 503, self.unavailable_message()
+                return 503, self.unroutable(None).message
             return 404, f"The model `{model}` does not exist."
         return 0, model
 
@@ -205,13 +204,21 @@ class Proxy:
         if isinstance(body, str):
             await self._error(send, 400, body, "unknown", t0=t0)
             return
+        if not is_json_content_type(_content_type(scope)):
+            # The engine's 400 for a JSON object it will not read as JSON (regression: `curl -d` bodies, form-encoded,
+            # got 200 through the router, as it sends the engine application/json whatever the client sent).
+            await self._error(send, 400, CONTENT_TYPE_MESSAGE, "unknown", t0=t0)
+            return
         status, model = self._resolve_model(kind, body)
         if status:
-            await self._error(send, status, model, "unknown", "model" if status in (400, 404) else None, t0=t0)
+            param = "model" if status in (400, 404) else None
+            retry = self.unroutable(None).retry_after_s if status == 503 else RETRY_SOON_S
+            await self._error(send, status, model, "unknown", param, t0=t0, retry_after_s=retry)
             return
         workers = self.pool.routable(model)
         if not workers:
-            await self._error(send, 503, f"no engine is available for model `{model}`", model, t0=t0)
+            why = self.unroutable(model)
+            await self._error(send, 503, why.message, model, t0=t0, retry_after_s=why.retry_after_s)
             return
         if big:
             key = await asyncio.to_thread(self.extractor.extract, kind, body, model)
@@ -226,9 +233,9 @@ class Proxy:
         content = raw
         if stream and kind != "generate":
             so = body.get("stream_options")
-            # A malformed stream_options is left for the engine to refuse (400); a usage flag the engine's lax
-            # parsing reads as true (1, "true") means the client asked for the usage chunk.
-            if so is None or (isinstance(so, dict) and not _truthy(so.get("include_usage"))):
+            # The engine reads include_usage strictly (true / false only): a malformed stream_options, or a flag
+            # such as "false" or 1, is left for the engine to refuse (400), never overwritten.
+            if so is None or (isinstance(so, dict) and so.get("include_usage", False) is False):
                 # Ask for the usage chunk (it carries cached_tokens) and hide it from this client.
                 body["stream_options"] = {**(so or {}), "include_usage": True}
                 # ensure_ascii: a lone surrogate (valid JSON escape, not encodable UTF-8) reaches the engine as the
@@ -242,6 +249,15 @@ class Proxy:
         await _Relay(
             self, kind, path, model, key, workers, ranked, prompt_tokens, out_tokens, content, headers, strip_usage, t0
         ).run(receive, send)
+
+
+def _content_type(scope: Scope) -> str | None:
+    """The request's ``Content-Type`` header (latin-1, as ASGI carries it), or None."""
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    for k, v in headers:
+        if k.lower() == _H_CT:
+            return v.decode("latin-1")
+    return None
 
 
 class _Endpoint:
@@ -433,6 +449,8 @@ class _Relay:
         out = [(k.encode(), v.encode("latin-1")) for k, v in resp.headers.items() if k in _RELAYED]
         if sse:
             out = [h for h in out if h[0] != b"content-length"] + _SSE_HEADERS
+        if resp.status_code in (429, 503) and "retry-after" not in resp.headers:
+            out.append(retry_after_header(RETRY_SOON_S))  # every 429 / 503 from the router says when to retry
         out.append((_H_WORKER, worker.encode()))
         out.append((_H_REASON, reason.encode()))
         self.code = resp.status_code

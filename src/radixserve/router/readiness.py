@@ -1,4 +1,4 @@
-"""When the router can first route: the one ``ready:`` log line, and the message of the 503s before it.
+"""When the router can first route: the one ``ready:`` log line (the 503s before it say why: ``unavailable.py``).
 
 The router's HTTP server listens long before its engines have loaded (the local stack: ~19 s), so "Uvicorn running"
 says nothing about when a request would get an answer. ``ReadyAnnouncer`` logs, once::
@@ -61,16 +61,6 @@ class ReadyAnnouncer:
         self.ready = False  # the ready line was logged
         self.complete = False  # every known engine was routable when, or after, it was logged
         self._partial_since: float | None = None  # monotonic s since some, not all, engines are routable
-
-    def not_ready_message(self) -> str:
-        """The 503 message while no engine is routable, e.g. ``no engine is ready yet (0 of 2 routable); retry
-        shortly``."""
-        total = len(self.pool.workers)
-        if not total:
-            return "no engine has been discovered yet; retry shortly"
-        if self.ready:
-            return f"no engine is routable now (0 of {total}); retry shortly"
-        return f"no engine is ready yet (0 of {total} routable); retry shortly"
 
     def check(self, now: float | None = None) -> bool:
         """Log what is due; returns True once there is nothing left to log. ``now``: monotonic seconds."""

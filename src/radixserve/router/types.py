@@ -19,10 +19,11 @@ class PrefixKey:
 
     ``blocks`` are chained hashes (64-bit ints) of consecutive full blocks of the rendered prompt: block ``i``'s hash
     covers blocks ``0..i`` and the namespace (model name and cache salt), so equal hashes mean equal prefixes.
-    ``routing_key`` is the hash of the first K blocks (fewer when the prompt is shorter; the namespace hash alone
-    when it has no full block). ``kind`` says whether blocks are token ids (the router has the model's tokenizer) or
-    characters. ``prompt_tokens`` is the prompt length in tokens (exact for ``tokens``, estimated for ``chars``);
-    ``block_tokens`` is how many tokens one block covers (estimated for ``chars``).
+    ``routing_key`` is the hash of the first K blocks; of the whole prompt, its last partial block included, when
+    that is shorter than K blocks (so short prompts spread over the ring); the namespace hash alone for an empty
+    prompt. The partial block is never in ``blocks``. ``kind`` says whether blocks are token ids (the router has the
+    model's tokenizer) or characters. ``prompt_tokens`` is the prompt length in tokens (exact for ``tokens``,
+    estimated for ``chars``); ``block_tokens`` is how many tokens one block covers (estimated for ``chars``).
     """
 
     model: str

@@ -5,9 +5,9 @@ start ``pending`` until their ``/health`` and ``/v1/models`` answer; removed wor
 policy. An active probe task GETs every worker's ``/health`` each ``health_interval_s`` (a pending one, still loading,
 each ``pending_probe_interval_s``, so it is admitted soon after it can serve). Each worker's circuit breaker
 (``breaker.py``: ``healthy`` / ``ejected`` / ``probing``) takes the probes' and the proxied requests' outcomes; every
-state change is one log line with its reason (a WARNING, except a pending worker's admission). Every probe re-reads the
-worker's models, and a new model is routed on only once its tokenizer is settled (``tokenizer_fetch.py``: fetched
-once per model from a worker serving it, for the prefix-key extractor).
+state change is one log line with its reason (a WARNING for an ejection, INFO for admission and recovery). Every
+probe re-reads the worker's models, and a new model is routed on only once its tokenizer is settled
+(``tokenizer_fetch.py``: fetched once per model from a worker serving it, for the prefix-key extractor).
 """
 
 from __future__ import annotations
@@ -226,14 +226,14 @@ class WorkerPool:
             else:
                 tail = f" ({t.failures} failures in a row)" if t.failures > 1 else ""
             logger.warning("worker %s ejected: %s%s", w.url, t.reason, tail)
-        elif t.new == "probing":
-            logger.warning(
+        elif t.new == "probing":  # recovery is good news: INFO (an operator's alert is on the ejection's WARNING)
+            logger.info(
                 "worker %s probing: it answers its probes again after %.1f s; routable on trial", w.url, t.down_s or 0.0
             )
         elif t.old == "pending":
             logger.info("worker %s ready", w.url)  # the normal start-up admission, not a warning
         else:
-            logger.warning("worker %s healthy again after %.1f s", w.url, t.down_s or 0.0)
+            logger.info("worker %s healthy again after %.1f s", w.url, t.down_s or 0.0)
 
     # ------------------------------------------------------------------------------------------------ probes
     async def start(self) -> None:
@@ -299,9 +299,10 @@ class WorkerPool:
                     await self._tokenizers.settled(model, w.url)
                 if w.removed:
                     return
-                logger.info("worker %s serves %s", w.url, ", ".join(models))
-                w.models, w.model_cards = models, cards
-                self._changed()
+                if models != w.models:  # a probe running alongside (discovery's first) may have set them meanwhile
+                    logger.info("worker %s serves %s", w.url, ", ".join(models))  # regression: logged twice
+                    w.models, w.model_cards = models, cards
+                    self._changed()
             self.record_success(w, probe=True)
         except _ProbeError as e:
             self.record_failure(w, str(e), e.definite)

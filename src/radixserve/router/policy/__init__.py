@@ -18,13 +18,17 @@ def make_policy(
     capacity_blocks_per_worker: int = 65536,
     seed: int | None = None,
     balance_abs_tokens: int = 2048,
+    cache_threshold: float = 0.5,
 ) -> RoutingPolicy:
-    """A new policy by name (one of ``POLICIES``). ``virtual_nodes``, ``load_factor`` and ``balance_abs_tokens``
-    (tokens of imbalance tolerated before the load bound applies) are ``prefix_hash``'s;
+    """A new policy by name (one of ``POLICIES``). ``virtual_nodes``, ``load_factor``, ``balance_abs_tokens``
+    (tokens of imbalance tolerated before the load bound applies) and ``cache_threshold`` (the fraction of a prompt's
+    blocks a worker must hold for cache affinity) are ``prefix_hash``'s;
     ``seed`` is ``power_of_two``'s; every policy keeps a prefix index of ``capacity_blocks_per_worker`` blocks per
     worker for its predicted cached tokens. Raises ``ValueError`` for an unknown name."""
     if name == "prefix_hash":
-        return PrefixHashPolicy(virtual_nodes, load_factor, capacity_blocks_per_worker, balance_abs_tokens)
+        return PrefixHashPolicy(
+            virtual_nodes, load_factor, capacity_blocks_per_worker, balance_abs_tokens, cache_threshold
+        )
     if name == "least_load":
         return LeastLoadPolicy(capacity_blocks_per_worker)
     if name == "round_robin":

@@ -31,8 +31,14 @@ class PrefixHashPolicy(IndexedPolicy):
     ``load + cost <= load_factor * (total_load + cost) / n`` (the paper's bound, in tokens), or when its load exceeds
     the least loaded worker's by at most ``balance_abs_tokens``: below that, an imbalance costs less than the cache
     miss a spill causes (SGLang's router balances only past an absolute threshold too, 64 requests there). So the
-    least loaded worker always fits, and a prompt larger than the mean load keeps its prefix affinity. Raises
-    ``ValueError`` for ``virtual_nodes < 1`` or ``load_factor < 1``.
+    least loaded worker always fits, and a prompt larger than the mean load keeps its prefix affinity.
+
+    A worker's predicted match counts (wins over the key's owner, reason ``cache-affinity``) only when it covers at
+    least ``cache_threshold`` of the prompt's key blocks: SGLang's cache-aware router (``--cache-threshold``, match
+    length over prompt length) does the same. Below it the request is ``cold`` on its key's owner, so fresh prompts
+    that share only a short head (a chat template's system prompt) spread over the ring instead of all following the
+    worker that served the first of them; 0 counts any match. Raises ``ValueError`` for ``virtual_nodes < 1``,
+    ``load_factor < 1``, ``balance_abs_tokens < 0`` or ``cache_threshold`` outside [0, 1].
     """
 
     name = "prefix_hash"
@@ -43,6 +49,7 @@ class PrefixHashPolicy(IndexedPolicy):
         load_factor: float = 1.25,
         capacity_blocks_per_worker: int = 65536,
         balance_abs_tokens: int = 2048,
+        cache_threshold: float = 0.5,
     ):
         if virtual_nodes < 1:
             raise ValueError("virtual_nodes must be >= 1")
@@ -50,8 +57,11 @@ class PrefixHashPolicy(IndexedPolicy):
             raise ValueError("load_factor must be >= 1 (1.25 = 125% of the mean load)")
         if balance_abs_tokens < 0:
             raise ValueError("balance_abs_tokens must be >= 0")
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError("cache_threshold must be between 0 and 1 (a fraction of the prompt's blocks)")
         super().__init__(capacity_blocks_per_worker)
         self.balance_abs_tokens = balance_abs_tokens
+        self.cache_threshold = cache_threshold
         self.virtual_nodes = virtual_nodes
         self.load_factor = load_factor
         self._points: list[int] = []  # sorted ring positions
@@ -85,14 +95,18 @@ class PrefixHashPolicy(IndexedPolicy):
                         break
         return order + sorted(wanted - on_ring)
 
+    def _affine(self, matched: int, blocks: int) -> int:
+        """``matched`` blocks of a prompt of ``blocks`` blocks if they reach ``cache_threshold`` of it, else 0."""
+        return matched if matched and matched / blocks >= self.cache_threshold else 0
+
     def rank(self, key: PrefixKey | None, workers: Sequence[WorkerLoad], cost_tokens: int) -> list[RouteDecision]:
         """Every worker once: the choice (first fitting worker clockwise from the key, or a fitting worker with a
-        strictly longer predicted prefix match), then the rest in ring-walk order, each with its ``reason``:
-        ``cache-affinity`` when it is predicted to hold part of this prompt (``PrefixIndex``: this router sent it the
-        prompt's first block before); ``cold`` when it is the key's owner and no worker is predicted to hold any of
-        the prompt (a fresh prompt, or one shorter than a block); ``load-spill`` otherwise (the owner, or the worker
-        holding the prompt, was over its load bound). Least loaded first, reason ``fallback``, when ``key`` is None
-        or no worker fits."""
+        strictly longer affine match), then the rest in ring-walk order, each with its ``reason``:
+        ``cache-affinity`` when it is predicted to hold at least ``cache_threshold`` of this prompt's blocks
+        (``PrefixIndex``: what this router sent it before); ``cold`` when it is the key's owner and no worker holds
+        that much (a fresh prompt, one that shares only a short head with earlier ones, or one shorter than a
+        block); ``load-spill`` otherwise (the owner, or the worker holding the prompt, was over its load bound).
+        Least loaded first, reason ``fallback``, when ``key`` is None or no worker fits."""
         if not workers:
             return []
         if key is None:
@@ -102,7 +116,10 @@ class PrefixHashPolicy(IndexedPolicy):
         total = sum(w.inflight_tokens for w in by_url.values())
         least = min(w.inflight_tokens for w in by_url.values())
         n = len(by_url)
-        matched = {url: self.index.match(url, key.blocks) for url in order}
+        # A match counts only from the threshold on (regression: the chat template's ~30-token system prompt made
+        # every chat follow the engine that served the first one, as cache-affinity).
+        blocks = len(key.blocks)
+        matched = {url: self._affine(self.index.match(url, key.blocks), blocks) for url in order}
         held = any(matched.values())
 
         def fits(url: str) -> bool:
