@@ -92,7 +92,7 @@ def engine_argv(args: EngineArgs, port: int, num_threads: int) -> list[str]:
 
 # ---- engine sizing: N engines, the router and their runtimes must fit the memory limit together
 # Measured with the demo model on CPU (RSS): an engine's runtime (Python, torch, tokenizer, activations) is ~0.55 GiB
-# beyond its weights and KV pool; the router in this process ~0.35 GiB. Kept with some room on top.
+# beyond its weights and KV pool; the router in this process ~0.16 GiB (no torch). Kept with room on top.
 ENGINE_RUNTIME_BYTES = 640 * 2**20
 ROUTER_RESERVE_BYTES = 768 * 2**20
 
