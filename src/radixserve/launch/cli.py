@@ -187,23 +187,8 @@ def run_up(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
         log_level=engine_args.log_level,
         max_request_body_bytes=engine_args.max_request_body_bytes,
     )
-    check_engine_ports(ns.engines, ns.engine_base_port)
     resolve_model_paths(engine_args)
     return run_local_stack(engine_args, router_args, ns.engines, ns.engine_base_port)
-
-
-def check_engine_ports(engines: int, base_port: int) -> None:
-    """Raise ValueError naming the flag unless ``engines`` >= 1 and every engine port ``base_port`` ...
-    ``base_port + engines - 1`` is a TCP port (1-65535). Regression: ``--engine-base-port 65535`` crashed with a
-    traceback (OverflowError from bind) in the port check."""
-    if engines < 1:
-        raise ValueError(f"--engines must be at least 1, got {engines}")
-    last = base_port + engines - 1
-    if base_port < 1 or last > 65535:
-        raise ValueError(
-            f"--engine-base-port {base_port} with --engines {engines} needs ports {base_port}-{last}; "
-            "engine ports must lie within 1-65535"
-        )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -183,6 +183,20 @@ def describe_exit(status: int | None) -> str:
     return f"exited with status {status}"
 
 
+def check_engine_ports(engines: int, base_port: int) -> None:
+    """Raise ValueError naming the flag unless ``engines`` >= 1 and every engine port ``base_port`` ...
+    ``base_port + engines - 1`` is a TCP port (1-65535). Regression: ``--engine-base-port 65535`` crashed with a
+    traceback (OverflowError from bind) in the port check."""
+    if engines < 1:
+        raise ValueError(f"--engines must be at least 1, got {engines}")
+    last = base_port + engines - 1
+    if base_port < 1 or last > 65535:
+        raise ValueError(
+            f"--engine-base-port {base_port} with --engines {engines} needs ports {base_port}-{last}; "
+            "engine ports must lie within 1-65535"
+        )
+
+
 def check_ports_free(ports: list[tuple[str, int]]) -> None:
     """Raise ValueError unless every ``(host, port)`` is distinct and free to listen on. Regression: an engine port
     held by another process (another engine, a second ``make run``) was silently fronted by the router while our
@@ -386,8 +400,7 @@ def run_local_stack(engine_args: EngineArgs, router_args: RouterArgs, engines: i
     not start). A second Ctrl-C while the engines stop kills them and raises KeyboardInterrupt. Call it from the
     main thread (it sets the SIGTERM handler while it runs). Raises ValueError for a bad engine count, model path
     or port."""
-    if engines < 1:
-        raise ValueError("--engines must be at least 1")
+    check_engine_ports(engines, engine_base_port)
     output = TaggedOutput(sys.stderr, tag_width=max(len(ROUTER_TAG), len(engine_tag(engines - 1))))
     with output.tag_this_process(ROUTER_TAG):
         status, failure = _serve_stack(engine_args, router_args, engines, engine_base_port, output)
