@@ -18,6 +18,9 @@ MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m-instruct")
 
 # 2-core machines: more threads than cores collapses throughput.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Engines built by tests (in this process or as subprocesses) run eager: a compile per tiny test model would cost
+# minutes of CI. tests/test_compile.py turns it on explicitly.
+os.environ.setdefault("RADIXSERVE_TORCH_COMPILE", "0")
 
 requires_model = pytest.mark.skipif(
     not os.path.exists(os.path.join(MODEL_DIR, "config.json")),

@@ -46,6 +46,11 @@ class EngineArgs:
     disable_radix_cache: bool = False
     attention_backend: str = "auto"  # auto | torch | flashinfer
     num_threads: int | None = None  # torch intra-op threads (CPU)
+    # Compiled forward (engine/model/compile.py): on by default on CPU; --disable-torch-compile runs eager.
+    enable_torch_compile: bool = False
+    disable_torch_compile: bool = False
+    torch_compile_max_bs: int | None = None  # forwards of more sequences run eager; default: all compiled
+    torch_compile_cache_dir: str | None = None  # default: ~/.cache/radixserve/torch-compile
     stream_interval: int = 1  # tokens between streamed chunks
     decode_log_interval: int = 40  # decode steps between "Decode batch." stats lines (SGLang's)
     max_request_body_bytes: int = 8 * 1024 * 1024
@@ -100,6 +105,7 @@ _MIN_INT = {
     "max_prefill_tokens": 1,
     "chunked_prefill_size": 1,
     "num_threads": 1,
+    "torch_compile_max_bs": 1,
     "stream_interval": 1,
     "decode_log_interval": 1,
     "max_request_body_bytes": 1,
@@ -133,6 +139,12 @@ HELP: dict[str, str] = {
     "disable_radix_cache": "do not reuse cached prompt prefixes (the radix tree)",
     "attention_backend": "attention kernels (auto: flashinfer on CUDA when it imports, else torch)",
     "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
+    "enable_torch_compile": "compile the forward with torch.compile (inductor) also on CUDA; on CPU it is the default",
+    "disable_torch_compile": "run the eager forward (for debugging; default on CPU: compiled, unless the "
+    "RADIXSERVE_TORCH_COMPILE environment variable is 0)",
+    "torch_compile_max_bs": "forwards of more sequences than this run eager (default: every size runs compiled)",
+    "torch_compile_cache_dir": "where compile artifacts are kept (default: $RADIXSERVE_COMPILE_CACHE_DIR, else "
+    "~/.cache/radixserve/torch-compile)",
     "stream_interval": "tokens between streamed chunks",
     "decode_log_interval": "decode steps between the 'Decode batch.' stats lines (logged at INFO while there is work)",
     "max_request_body_bytes": "largest request body in bytes; larger ones are answered 413",
@@ -194,6 +206,8 @@ def validate_engine_args(args: EngineArgs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if args.port > 65535:
         raise ValueError(f"--port {args.port} is not a TCP port")
+    if args.enable_torch_compile and args.disable_torch_compile:
+        raise ValueError("--enable-torch-compile and --disable-torch-compile exclude each other")
     f = args.mem_fraction_static
     if f is not None and not 0 < f < 1:
         raise ValueError(f"--mem-fraction-static must be between 0 and 1 (exclusive), got {f}")
@@ -201,6 +215,15 @@ def validate_engine_args(args: EngineArgs) -> None:
         from radixserve.engine.tokenizer.chat_template import load_chat_template
 
         load_chat_template(args.chat_template)
+
+
+def torch_compile_choice(args: EngineArgs) -> bool | None:
+    """The runner's ``torch_compile``: True/False when a flag forces it, None for its default (on for CPU)."""
+    if args.enable_torch_compile:
+        return True
+    if args.disable_torch_compile:
+        return False
+    return None
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

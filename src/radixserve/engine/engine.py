@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from radixserve.engine.config import EngineArgs
+from radixserve.engine.config import EngineArgs, torch_compile_choice
 from radixserve.engine.context_length import served_context, warn_if_too_short_for_chat
 from radixserve.engine.grammar.xgrammar_backend import GrammarBackend
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, SamplingParams
@@ -111,6 +111,9 @@ class Engine:
             mem_fraction_static=args.mem_fraction_static,
             context_length=args.context_length,
             num_threads=args.num_threads,
+            torch_compile=torch_compile_choice(args),
+            torch_compile_max_bs=args.torch_compile_max_bs,
+            torch_compile_cache_dir=args.torch_compile_cache_dir,
         ).result()
         cfg = self.runner.model_config
         context = served_context(

@@ -58,6 +58,12 @@ class ForwardBatch:
         """Number of new tokens (rows of ``input_ids``)."""
         return int(self.input_ids.shape[0])
 
+    def logits_indices(self) -> torch.Tensor:
+        """int64 ``[batch]``: the row of each sequence's last new token (the rows whose logits are sampled)."""
+        if self.mode == ForwardMode.DECODE:
+            return torch.arange(self.batch_size, dtype=torch.int64, device=self.input_ids.device)
+        return torch.cumsum(self.extend_seq_lens, 0) - 1
+
     @classmethod
     def build(
         cls,

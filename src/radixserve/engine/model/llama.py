@@ -1,10 +1,12 @@
 """Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k RMSNorm) over a slot-indexed KV pool.
 
 Structure after nano-vllm (nanovllm/models/qwen3.py) and SGLang (srt/models/llama.py): q/k/v and gate/up projections
-are fused into one matmul each (the loader writes HF's separate tensors into their shards), attention is delegated to
-an ``AttentionBackend`` that owns the KV pool reads/writes, and only the last new token of each sequence goes through
-the final norm and the LM head. Module names mirror HF's (``model.layers.N.self_attn...``) so checkpoints map 1:1
-apart from the fused shards.
+are fused into one matmul each (the loader writes HF's separate tensors into their shards), the residual add is fused
+into the following RMSNorm (``norm(x, residual)``, SGLang's ``fused_add_rmsnorm`` form), attention is one opaque op
+(``attention_op.py``) that calls the current forward's ``AttentionBackend``, and only the rows that need logits go
+through the final norm and the LM head. The forward takes tensors only, so ``torch.compile`` can turn all of it but
+attention into one graph (``compile.py``). Module names mirror HF's (``model.layers.N.self_attn...``) so checkpoints
+map 1:1 apart from the fused shards.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.engine.attention.base import AttentionBackend
-from radixserve.engine.memory.kv_pool import KVPool
+from radixserve.engine.model import attention_op
 from radixserve.engine.model.config import ModelConfig
-from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32 and cast back as HF's LlamaRMSNorm does. ``[..., dim]``."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 and cast back as HF's LlamaRMSNorm does. ``[..., dim]``.
+
+    ``norm(x)`` returns the normalised ``x``; ``norm(x, residual)`` first adds ``residual`` (in the model dtype, as
+    HF's ``residual + hidden``) and returns ``(normalised sum, sum)``: the sum is the next residual.
+    """
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -35,6 +39,11 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dt)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: the residual add fused with the norm that follows it."""
+        summed = residual + x
+        return self(summed), summed
 
 
 def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
@@ -70,14 +79,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
         self.rope = rope  # shared by all layers; set after weights are materialised
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        batch: ForwardBatch,
-        kv_pool: KVPool,
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``; writes this layer's K/V for the new tokens."""
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
@@ -89,7 +91,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         assert self.rope is not None, "LlamaForCausalLM.materialize() sets the shared RoPE cache"
         q, k = self.rope(positions, q, k)
-        o = attn.forward(q, k, v, self.layer_id, kv_pool, batch)
+        o = attention_op.attention(q, k, v, self.layer_id)
         out: torch.Tensor = self.o_proj(o)
         return out
 
@@ -110,7 +112,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, with the residual carried apart.
+
+    ``forward(hidden, residual)`` takes the previous block's MLP output and the residual stream before it (``None``
+    for the first block: ``hidden`` is then the embedding) and returns this block's ``(mlp output, residual)``; the
+    add of the two happens inside the next norm.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -120,16 +127,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        batch: ForwardBatch,
-        kv_pool: KVPool,
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, batch, kv_pool, attn)
-        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
-        return out
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_norm(hidden, residual)
+        attn_out = self.self_attn(normed, positions)
+        normed, residual = self.post_attention_layernorm.add_norm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -146,7 +152,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The whole causal LM. Build on ``device="meta"``, then ``materialize`` and load weights.
 
-    ``forward`` returns float32 logits ``[batch, vocab]`` of each sequence's last new token.
+    ``forward`` returns float32 logits of the rows it is asked for (each sequence's last new token); run it inside
+    ``forward_context`` (``ModelRunner.forward`` does).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "meta") -> None:
@@ -178,17 +185,20 @@ class LlamaForCausalLM(nn.Module):
         """``[vocab, hidden]``: the embedding matrix when tied, else ``lm_head.weight``."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, batch: ForwardBatch, kv_pool: KVPool, attn: AttentionBackend) -> torch.Tensor:
-        """Run all layers over ``batch``'s new tokens; float32 logits ``[batch, vocab]`` of each last new token."""
-        positions = batch.positions
-        hidden = self.model.embed_tokens(batch.input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """All layers over the new tokens, then the final norm and LM head over the rows that need logits.
+
+        Args:
+            input_ids: int64 ``[num_tokens]``; positions: int64 ``[num_tokens]``.
+            logits_indices: int64 ``[batch]``, the rows of ``input_ids`` whose next-token logits are wanted.
+        Returns:
+            float32 logits ``[batch, vocab]``.
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            hidden = layer(hidden, positions, batch, kv_pool, attn)
-        if batch.mode == ForwardMode.EXTEND and batch.num_tokens != batch.batch_size:
-            last, acc = [], 0
-            for n in batch.extend_seq_lens_cpu:
-                acc += n
-                last.append(acc - 1)
-            hidden = hidden[torch.tensor(last, dtype=torch.int64, device=hidden.device)]
-        hidden = self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions)
+        assert residual is not None, "a model has at least one layer"
+        # row-wise from here on: pick the rows first, so the norm and the LM head run on [batch] rows only
+        hidden, _ = self.model.norm.add_norm(hidden[logits_indices], residual[logits_indices])
         return F.linear(hidden, self.lm_head_weight()).float()

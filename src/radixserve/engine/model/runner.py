@@ -18,8 +18,10 @@ from radixserve.engine.attention.base import create_attention_backend
 from radixserve.engine.context_length import check_context_length
 from radixserve.engine.memory.kv_pool import KVPool
 from radixserve.engine.memory.sizing import PoolSize, format_bytes, memory_limit_bytes, size_kv_pool
+from radixserve.engine.model.compile import CompiledForward, compile_cache_dir, configure_compile_cache
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
+from radixserve.engine.model.forward_context import forward_context
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_weights
 
@@ -69,6 +71,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+TORCH_COMPILE_ENV = "RADIXSERVE_TORCH_COMPILE"
+
+
+def default_torch_compile(device: torch.device) -> bool:
+    """Compiled by default on CPU (``$RADIXSERVE_TORCH_COMPILE=0`` turns that off, as the test suite does);
+    eager on CUDA, where the flashinfer kernels do the heavy work and a compile needs Triton."""
+    return device.type == "cpu" and os.environ.get(TORCH_COMPILE_ENV, "1") != "0"
+
+
 class ModelRunner:
     """Owns the model weights, the KV pool and the attention backend; runs one forward per scheduler step.
 
@@ -82,6 +93,10 @@ class ModelRunner:
             ``engine/memory/sizing.py`` (CUDA 0.9 of the GPU; CPU a 2 GiB pool within the memory limit).
         context_length: longest sequence (RoPE table size); default the model's ``max_position_embeddings``.
         num_threads: ``torch.set_num_threads`` when given.
+        torch_compile: run forwards through ``CompiledForward`` (``compile.py``); graphs compile at ``warmup``.
+            ``None``: ``default_torch_compile`` (on for CPU unless ``$RADIXSERVE_TORCH_COMPILE`` is ``0``).
+        torch_compile_max_bs: forwards of more sequences run eager (``None``: all compiled).
+        torch_compile_cache_dir: compile artifacts (default ``compile_cache_dir()``).
 
     Raises:
         ValueError: unsupported architecture / dtype / device / backend, a ``context_length`` above the model's
@@ -99,6 +114,9 @@ class ModelRunner:
         context_length: int | None = None,
         num_threads: int | None = None,
         mem_fraction_static: float | None = None,
+        torch_compile: bool | None = False,
+        torch_compile_max_bs: int | None = None,
+        torch_compile_cache_dir: str | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -115,13 +133,10 @@ class ModelRunner:
             self.model.materialize(self.device, self.dtype)
             load_weights(self.model, model_path)
         self.model.eval()
+        self.load_seconds = time.perf_counter() - t0
         logger.info(
             "loaded %s (%s, %s) on %s in %.1f s",
-            model_path,
-            cfg.architecture,
-            self.dtype,
-            self.device,
-            time.perf_counter() - t0,
+            model_path, cfg.architecture, self.dtype, self.device, self.load_seconds
         )
         if max_total_tokens is not None and max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
@@ -141,6 +156,13 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
+        self.compiled: CompiledForward | None = None
+        if torch_compile is None:
+            torch_compile = default_torch_compile(self.device)
+        if torch_compile:
+            cache = configure_compile_cache(compile_cache_dir(torch_compile_cache_dir), torch.get_num_threads())
+            self.compiled = CompiledForward(self.model.forward, torch_compile_max_bs)
+            logger.info("torch.compile on (inductor, %d threads), cache %s", torch.get_num_threads(), cache)
 
     def weight_bytes(self) -> int:
         """Bytes of the loaded parameters and buffers (a tied embedding counted once)."""
@@ -172,12 +194,40 @@ class ModelRunner:
         Writes the new tokens' K/V into ``kv_pool`` at ``batch.out_cache_loc`` as a side effect.
         """
         self.attn_backend.init_forward_metadata(batch)
-        logits: torch.Tensor = self.model(batch, self.kv_pool, self.attn_backend)
+        run = self.compiled if self.compiled is not None else self.model.forward
+        with forward_context(batch, self.kv_pool, self.attn_backend):
+            logits: torch.Tensor = run(batch.input_ids, batch.positions, batch.logits_indices())
         return logits
 
     def warmup(self) -> None:
-        """One tiny EXTEND of a single token written to the dummy slot 0 (touches no usable slot)."""
-        batch = ForwardBatch.build(ForwardMode.EXTEND, [[0]], [[0]], device=self.device)
-        self.forward(batch)
+        """Warm-up forwards written to the dummy slot 0 (no usable slot is touched); with ``torch_compile`` they
+        compile every graph the engine will use, so no request waits for a compile. Logs the start-up split."""
+        batches = [ForwardBatch.build(ForwardMode.EXTEND, [[0]], [[0]], device=self.device)]
+        if self.compiled is not None:  # the first compiles the one graph; the others check it serves each shape
+            batches = [
+                ForwardBatch.build(ForwardMode.EXTEND, [[0, 0, 0]] * 2, [[0, 0, 0]] * 2, device=self.device),
+                ForwardBatch.build(ForwardMode.DECODE, [[0]] * 2, [[0]] * 2, device=self.device),
+                ForwardBatch.build(ForwardMode.DECODE, [[0]], [[0]], device=self.device),
+            ]
+        t0 = time.perf_counter()
+        for batch in batches:
+            self.forward(batch)
+        self._sync()
+        first = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for batch in batches:
+            self.forward(batch)
+        self._sync()
+        warm = time.perf_counter() - t1
+        compile_s = max(0.0, first - warm) if self.compiled is not None else 0.0
+        logger.info(
+            "start-up: load %.1f s, compile %.1f s, warm-up %.1f s%s",
+            self.load_seconds,
+            compile_s,
+            warm if self.compiled is not None else first,
+            "" if self.compiled is not None else " (eager: torch.compile off)",
+        )
+
+    def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
