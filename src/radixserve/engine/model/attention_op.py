@@ -16,20 +16,21 @@ from radixserve.engine.model.forward_context import get_forward_context
 
 
 @torch.library.custom_op("radixserve::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor) -> torch.Tensor:
     """Write ``k``, ``v`` ``[T, Hkv, D]`` into the current forward's KV pool, attend ``q`` ``[T, Hq, D]``;
-    returns ``[T, Hq * D]`` (see ``AttentionBackend.forward``).
+    returns ``[T, Hq * D]`` (see ``AttentionBackend.forward``). ``layer_index``: int64 0-d CPU-or-device tensor
+    (a tensor, not an int, so one compiled layer graph serves every layer).
 
     The KV pool write is a side effect the compiler does not see; it is safe because nothing else in the graph
     reads the pool, and each layer's op depends on the previous layer's output.
     Raises RuntimeError outside ``forward_context``.
     """
     ctx = get_forward_context()
-    out = ctx.attn.forward(q, k, v, layer_id, ctx.kv_pool, ctx.batch)
+    out = ctx.attn.forward(q, k, v, int(layer_index.item()), ctx.kv_pool, ctx.batch)
     # a custom op's output must not alias an input (the backend returns new storage; contiguous keeps it so)
     return out.contiguous()
 
 
 @attention.register_fake
-def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))

@@ -1,30 +1,35 @@
-"""The compiled forward: ``torch.compile`` (inductor; C++/OpenMP kernels on CPU, Triton on CUDA) of the whole model.
+"""The compiled forward: ``torch.compile`` (inductor; C++/OpenMP kernels on CPU) of the decoder layer.
 
-Attention is one opaque op (``attention_op.py``), so the graph holds everything else: embedding, per layer the fused
-residual add + RMSNorm, the QKV projection, RoPE, the output projection, SiLU·mul and the MLP matmuls, the final norm
-and the LM head over the sampled rows. Inductor fuses the pointwise and reduction work into a few C++ loops per layer
-and calls the vendor GEMM (oneDNN/MKL) for the matmuls; what it removes is the per-op cost of the eager forward
-(~30 layers x ~15 ops, each a dispatcher call and a pass over memory).
+Attention is one opaque op (``attention_op.py``), so a layer's graph holds everything else: the residual add fused
+with RMSNorm, the QKV projection, RoPE (and Qwen3's q/k norms), the output projection, SiLU·mul and the MLP matmuls.
+Inductor fuses the pointwise and reduction work into a few C++ loops and calls the vendor GEMM (oneDNN/MKL) for the
+matmuls; what goes is the per-op cost of the eager forward (~30 layers x ~15 ops, each a dispatcher call and a pass
+over memory).
 
-Buckets: the token and sequence counts are unbacked dynamic sizes (``mark_unbacked``), so ONE graph serves every
-batch and chunk size, 1 included, with no padding (the CPU analogue of SGLang's CUDA-graph batch sizes collapses to a
-single bucket). Plain dynamic sizes would specialise 1, making batch-1 decode and one-sequence prefill graphs of their
-own: three compiles instead of one (measured on a tiny model: 3 graphs and ~90 s cold vs 1 graph and ~56 s, on a
-loaded 2-core machine). ``--torch-compile-max-bs`` caps the sequences per forward that take the compiled path
-(larger batches run eager, as in SGLang).
+Regional compilation (PyTorch's recipe for repeated blocks): the layer is compiled, not the whole model, and every
+layer runs the same graph (weights and the layer index are graph inputs), so a 30-layer model compiles two graphs
+(the first layer, which has no residual yet, and the rest) instead of one 30-layer graph; a whole-model graph took
+~6x longer to compile for the demo model. The embedding, the final norm and the LM head (a few ops) stay eager.
 
-Artifacts (inductor's FX-graph and kernel caches) live under the user's cache dir (``compile_cache_dir``), keyed by
-the thread count the kernels were built for, so a restart reuses them.
+Buckets: the token count is an unbacked dynamic size (``mark_unbacked``), so one graph serves every batch and chunk
+size, 1 included, with no padding (the CPU analogue of SGLang's CUDA-graph batch sizes collapses to one bucket).
+Plain dynamic sizes would specialise 1, giving batch-1 decode and one-sequence prefill graphs of their own.
+``--torch-compile-max-bs`` caps the sequences per forward that take the compiled path (larger batches run eager,
+as in SGLang).
+
+Artifacts (inductor's FX-graph, AOT and kernel caches) live under the user's cache dir (``compile_cache_dir``), keyed
+by the thread count the kernels were built for, so a restart reuses them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from radixserve.engine.model.llama import LlamaDecoderLayer
 
 logger = logging.getLogger(__name__)
 
@@ -58,30 +63,34 @@ def configure_compile_cache(cache_dir: Path, num_threads: int) -> Path:
     return target
 
 
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+def _call_layer(
+    layer: LlamaDecoderLayer, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out: tuple[torch.Tensor, torch.Tensor] = layer(hidden, residual, positions)
+    return out
 
 
-class CompiledForward:
-    """``model.forward(input_ids, positions, logits_indices)`` compiled once with a dynamic token dimension.
+class CompiledLayers:
+    """Runs decoder layers through one ``torch.compile``-d graph (a ``LayerRunner`` for ``LlamaForCausalLM``).
 
     Args:
-        forward: the eager forward (``LlamaForCausalLM.forward``).
-        max_batch_size: forwards of more sequences run ``forward`` eagerly (``None``: every size runs compiled).
+        max_batch_size: forwards of more sequences run eagerly (``None``: every size runs compiled).
     """
 
-    def __init__(self, forward: ForwardFn, max_batch_size: int | None = None) -> None:
-        self.eager = forward
+    def __init__(self, max_batch_size: int | None = None) -> None:
         self.max_batch_size = max_batch_size
-        self._compiled: ForwardFn = torch.compile(forward, fullgraph=True, dynamic=None)
+        self._compiled = torch.compile(_call_layer, fullgraph=True, dynamic=None)
 
     def uses_compiled(self, batch_size: int) -> bool:
-        """True when a forward of ``batch_size`` sequences runs the compiled graph."""
+        """True when a forward of ``batch_size`` sequences runs the compiled layers."""
         return self.max_batch_size is None or batch_size <= self.max_batch_size
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Same contract as ``LlamaForCausalLM.forward``: float32 logits ``[batch, vocab]``."""
-        if not self.uses_compiled(int(logits_indices.shape[0])):
-            return self.eager(input_ids, positions, logits_indices)
-        for t in (input_ids, positions, logits_indices):
-            torch._dynamo.decorators.mark_unbacked(t, 0)
-        return self._compiled(input_ids, positions, logits_indices)
+    def __call__(
+        self, layer: LlamaDecoderLayer, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer(hidden, residual, positions)``, compiled: ``(hidden, residual)``, each ``[num_tokens, hidden]``."""
+        for t in (hidden, residual, positions):
+            if t is not None:
+                torch._dynamo.decorators.mark_unbacked(t, 0)
+        out: tuple[torch.Tensor, torch.Tensor] = self._compiled(layer, hidden, residual, positions)
+        return out

@@ -11,6 +11,7 @@ map 1:1 apart from the fused shards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -67,6 +68,7 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.layer_index: torch.Tensor  # registered by LlamaForCausalLM.materialize
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -91,7 +93,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         assert self.rope is not None, "LlamaForCausalLM.materialize() sets the shared RoPE cache"
         q, k = self.rope(positions, q, k)
-        o = attention_op.attention(q, k, v, self.layer_id)
+        o = attention_op.attention(q, k, v, self.layer_index)
         out: torch.Tensor = self.o_proj(o)
         return out
 
@@ -138,6 +140,12 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
+# (layer, hidden, residual, positions) -> (hidden, residual): how the model calls each decoder layer
+LayerRunner = Callable[
+    [LlamaDecoderLayer, torch.Tensor, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
 
@@ -179,25 +187,40 @@ class LlamaForCausalLM(nn.Module):
             device,
         )
         for layer in self.model.layers:
-            cast(LlamaDecoderLayer, layer).self_attn.rope = self.rope  # nn.ModuleList iterates as plain Module
+            attn = cast(LlamaDecoderLayer, layer).self_attn  # nn.ModuleList iterates as plain Module
+            attn.rope = self.rope
+            # The layer index as a tensor: a compiled layer reads it as an input, so all layers share one graph.
+            # On the CPU even with the weights on CUDA: the attention op reads it with .item(), which must not sync.
+            attn.register_buffer("layer_index", torch.tensor(attn.layer_id), persistent=False)
 
     def lm_head_weight(self) -> torch.Tensor:
         """``[vocab, hidden]``: the embedding matrix when tied, else ``lm_head.weight``."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        run_layer: LayerRunner | None = None,
+    ) -> torch.Tensor:
         """All layers over the new tokens, then the final norm and LM head over the rows that need logits.
 
         Args:
             input_ids: int64 ``[num_tokens]``; positions: int64 ``[num_tokens]``.
             logits_indices: int64 ``[batch]``, the rows of ``input_ids`` whose next-token logits are wanted.
+            run_layer: calls each decoder layer (``compile.CompiledLayers``); None calls it eagerly.
         Returns:
             float32 logits ``[batch, vocab]``.
         """
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, positions)
+            block = cast(LlamaDecoderLayer, layer)
+            if run_layer is None:
+                hidden, residual = block(hidden, residual, positions)
+            else:
+                hidden, residual = run_layer(block, hidden, residual, positions)
         assert residual is not None, "a model has at least one layer"
         # row-wise from here on: pick the rows first, so the norm and the LM head run on [batch] rows only
         hidden, _ = self.model.norm.add_norm(hidden[logits_indices], residual[logits_indices])

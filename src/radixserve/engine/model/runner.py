@@ -18,7 +18,7 @@ from radixserve.engine.attention.base import create_attention_backend
 from radixserve.engine.context_length import check_context_length
 from radixserve.engine.memory.kv_pool import KVPool
 from radixserve.engine.memory.sizing import PoolSize, format_bytes, memory_limit_bytes, size_kv_pool
-from radixserve.engine.model.compile import CompiledForward, compile_cache_dir, configure_compile_cache
+from radixserve.engine.model.compile import CompiledLayers, compile_cache_dir, configure_compile_cache
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.model.forward_context import forward_context
@@ -93,7 +93,8 @@ class ModelRunner:
             ``engine/memory/sizing.py`` (CUDA 0.9 of the GPU; CPU a 2 GiB pool within the memory limit).
         context_length: longest sequence (RoPE table size); default the model's ``max_position_embeddings``.
         num_threads: ``torch.set_num_threads`` when given.
-        torch_compile: run forwards through ``CompiledForward`` (``compile.py``); graphs compile at ``warmup``.
+        torch_compile: run the decoder layers through ``CompiledLayers`` (``compile.py``); graphs compile at
+            ``warmup``.
             ``None``: ``default_torch_compile`` (on for CPU unless ``$RADIXSERVE_TORCH_COMPILE`` is ``0``).
         torch_compile_max_bs: forwards of more sequences run eager (``None``: all compiled).
         torch_compile_cache_dir: compile artifacts (default ``compile_cache_dir()``).
@@ -156,12 +157,12 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
-        self.compiled: CompiledForward | None = None
+        self.compiled: CompiledLayers | None = None
         if torch_compile is None:
             torch_compile = default_torch_compile(self.device)
         if torch_compile:
             cache = configure_compile_cache(compile_cache_dir(torch_compile_cache_dir), torch.get_num_threads())
-            self.compiled = CompiledForward(self.model.forward, torch_compile_max_bs)
+            self.compiled = CompiledLayers(torch_compile_max_bs)
             logger.info("torch.compile on (inductor, %d threads), cache %s", torch.get_num_threads(), cache)
 
     def weight_bytes(self) -> int:
@@ -194,9 +195,10 @@ class ModelRunner:
         Writes the new tokens' K/V into ``kv_pool`` at ``batch.out_cache_loc`` as a side effect.
         """
         self.attn_backend.init_forward_metadata(batch)
-        run = self.compiled if self.compiled is not None else self.model.forward
+        compiled = self.compiled
+        run_layer = compiled if compiled is not None and compiled.uses_compiled(batch.batch_size) else None
         with forward_context(batch, self.kv_pool, self.attn_backend):
-            logits: torch.Tensor = run(batch.input_ids, batch.positions, batch.logits_indices())
+            logits: torch.Tensor = self.model(batch.input_ids, batch.positions, batch.logits_indices(), run_layer)
         return logits
 
     def warmup(self) -> None:
