@@ -11,16 +11,19 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.engine.model import loader as _loader
+# Engines built by tests (in this process or as subprocesses) run eager and unpinned: a compile per tiny test model
+# would cost minutes of CI, and pinning would tie the test process's threads to cores. tests/test_compile.py and
+# tests/test_cpu_threads.py turn each on explicitly. Set before radixserve is imported (EngineArgs reads the pin).
+os.environ.setdefault("RADIXSERVE_TORCH_COMPILE", "0")
+os.environ.setdefault("RADIXSERVE_CPU_OMP_THREADS_BIND", "nobind")
+
+from radixserve.engine.model import loader as _loader  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m-instruct")
 
 # 2-core machines: more threads than cores collapses throughput.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-# Engines built by tests (in this process or as subprocesses) run eager: a compile per tiny test model would cost
-# minutes of CI. tests/test_compile.py turns it on explicitly.
-os.environ.setdefault("RADIXSERVE_TORCH_COMPILE", "0")
 
 requires_model = pytest.mark.skipif(
     not os.path.exists(os.path.join(MODEL_DIR, "config.json")),

@@ -197,8 +197,8 @@ def test_up_hands_the_api_key_to_engines_in_their_environment_only(
     seen = tmp_path / "engine.json"
     real_engine_argv = local_stack.engine_argv
 
-    def stand_in(args: Any, port: int, threads: int) -> list[str]:  # the real engine flags, another program
-        return [sys.executable, "-c", RECORDS, str(seen), *real_engine_argv(args, port, threads)[1:]]
+    def stand_in(args: Any, port: int, threads: int, cpus: str) -> list[str]:  # the real flags, another program
+        return [sys.executable, "-c", RECORDS, str(seen), *real_engine_argv(args, port, threads, cpus)[1:]]
 
     routers: list[Any] = []
 

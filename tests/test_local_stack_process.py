@@ -24,7 +24,8 @@ DRIVER = (
     "import sys\n"
     "from radixserve.launch import cli, local_stack\n"
     "stand_in, real = sys.argv[1], local_stack.engine_argv\n"
-    "local_stack.engine_argv = lambda args, port, threads: [sys.executable, stand_in, *real(args, port, threads)[1:]]\n"
+    "local_stack.engine_argv = lambda args, port, threads, cpus: "
+    "[sys.executable, stand_in, *real(args, port, threads, cpus)[1:]]\n"
     "sys.exit(cli.main(sys.argv[2:]))\n"
 )
 SERVES = (

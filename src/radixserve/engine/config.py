@@ -51,6 +51,8 @@ class EngineArgs:
     disable_torch_compile: bool = False
     torch_compile_max_bs: int | None = None  # forwards of more sequences run eager; default: all compiled
     torch_compile_cache_dir: str | None = None  # default: ~/.cache/radixserve/torch-compile
+    # OpenMP thread pinning, vLLM's VLLM_CPU_OMP_THREADS_BIND (engine/cpu_threads.py): auto | nobind | "0-1"
+    cpu_omp_threads_bind: str = os.environ.get("RADIXSERVE_CPU_OMP_THREADS_BIND", "auto")
     stream_interval: int = 1  # tokens between streamed chunks
     decode_log_interval: int = 40  # decode steps between "Decode batch." stats lines (SGLang's)
     max_request_body_bytes: int = 8 * 1024 * 1024
@@ -143,6 +145,9 @@ HELP: dict[str, str] = {
     "disable_torch_compile": "run the eager forward (for debugging; default on CPU: compiled, unless the "
     "RADIXSERVE_TORCH_COMPILE environment variable is 0)",
     "torch_compile_max_bs": "forwards of more sequences than this run eager (default: every size runs compiled)",
+    "cpu_omp_threads_bind": "pin the engine's OpenMP threads one per CPU (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto "
+    "(when the thread count equals the CPUs this process may use), nobind, or a CPU list such as 0-1 (default from "
+    "$RADIXSERVE_CPU_OMP_THREADS_BIND)",
     "torch_compile_cache_dir": "where compile artifacts are kept (default: $RADIXSERVE_COMPILE_CACHE_DIR, else "
     "~/.cache/radixserve/torch-compile)",
     "stream_interval": "tokens between streamed chunks",
@@ -206,6 +211,12 @@ def validate_engine_args(args: EngineArgs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if args.port > 65535:
         raise ValueError(f"--port {args.port} is not a TCP port")
+    from radixserve.engine.cpu_threads import check_bind_spec
+
+    try:
+        check_bind_spec(args.cpu_omp_threads_bind)
+    except ValueError as e:
+        raise ValueError(f"--cpu-omp-threads-bind: {e}") from None
     if args.enable_torch_compile and args.disable_torch_compile:
         raise ValueError("--enable-torch-compile and --disable-torch-compile exclude each other")
     f = args.mem_fraction_static

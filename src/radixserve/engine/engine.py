@@ -111,6 +111,7 @@ class Engine:
             mem_fraction_static=args.mem_fraction_static,
             context_length=args.context_length,
             num_threads=args.num_threads,
+            cpu_omp_threads_bind=args.cpu_omp_threads_bind,
             torch_compile=torch_compile_choice(args),
             torch_compile_max_bs=args.torch_compile_max_bs,
             torch_compile_cache_dir=args.torch_compile_cache_dir,

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("radixserve.up")
 
 # Engine fields the stack sets per process; every other non-default engine flag is forwarded as given.
-_PER_ENGINE_FIELDS = frozenset({"host", "port", "num_threads"})
+_PER_ENGINE_FIELDS = frozenset({"host", "port", "num_threads", "cpu_omp_threads_bind"})
 # Engine fields that go to the engines in their environment, never on their command line (``ps`` shows it to all).
 _ENV_FIELDS = frozenset({"api_key"})
 
@@ -60,9 +60,10 @@ def engine_env(base: Mapping[str, str] | None = None, api_key: str | None = None
     return env
 
 
-def engine_argv(args: EngineArgs, port: int, num_threads: int) -> list[str]:
+def engine_argv(args: EngineArgs, port: int, num_threads: int, cpus: str = "nobind") -> list[str]:
     """Command line for one engine child: ``python -m radixserve engine`` with every engine flag that differs from
-    its default, plus this engine's port and thread count; never ``--api-key`` (``engine_env`` carries the key)."""
+    its default, plus this engine's port, thread count and ``--cpu-omp-threads-bind`` (``cpus``); never
+    ``--api-key`` (``engine_env`` carries the key)."""
     from radixserve.engine.config import EngineArgs
 
     argv = [
@@ -76,6 +77,8 @@ def engine_argv(args: EngineArgs, port: int, num_threads: int) -> list[str]:
         str(port),
         "--num-threads",
         str(num_threads),
+        "--cpu-omp-threads-bind",
+        cpus,
     ]
     defaults = EngineArgs()
     for f in dataclasses.fields(EngineArgs):
@@ -224,6 +227,18 @@ def split_threads(total: int | None, engines: int) -> int:
     if total is None:
         total = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, total // engines)
+
+
+def engine_cpu_sets(bind: str, engines: int, threads: int) -> list[str]:
+    """``--cpu-omp-threads-bind`` of each engine: with ``auto``, engine ``i`` gets CPUs ``[i*threads, (i+1)*threads)``
+    of those this process may use, so no two engines share a core (``nobind`` when they do not all fit); ``nobind``
+    or an explicit list is passed to every engine unchanged."""
+    if bind != "auto":
+        return [bind] * engines
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if engines * threads > len(allowed):
+        return ["nobind"] * engines
+    return [",".join(str(c) for c in allowed[i * threads : (i + 1) * threads]) for i in range(engines)]
 
 
 def _die_with_parent() -> None:
@@ -424,7 +439,10 @@ def _serve_stack(
     check_ports_free([(router_args.host, router_args.port)] + [("127.0.0.1", p) for p in ports])
     # An engine that cannot start ends the stack: SIGINT to this process stops the router as Ctrl-C does.
     supervisor = EngineSupervisor(
-        [engine_argv(engine_args, port, threads) for port in ports],
+        [
+            engine_argv(engine_args, port, threads, cpus)
+            for port, cpus in zip(ports, engine_cpu_sets(engine_args.cpu_omp_threads_bind, engines, threads))
+        ],
         env=engine_env(api_key=engine_args.api_key),
         on_give_up=lambda: os.kill(os.getpid(), signal.SIGINT),
         output=output,

@@ -16,6 +16,7 @@ import torch
 
 from radixserve.engine.attention.base import create_attention_backend
 from radixserve.engine.context_length import check_context_length
+from radixserve.engine.cpu_threads import bind_omp_threads, resolve_bind
 from radixserve.engine.memory.kv_pool import KVPool
 from radixserve.engine.memory.sizing import PoolSize, format_bytes, memory_limit_bytes, size_kv_pool
 from radixserve.engine.model.compile import CompiledLayers, compile_cache_dir, configure_compile_cache
@@ -93,6 +94,8 @@ class ModelRunner:
             ``engine/memory/sizing.py`` (CUDA 0.9 of the GPU; CPU a 2 GiB pool within the memory limit).
         context_length: longest sequence (RoPE table size); default the model's ``max_position_embeddings``.
         num_threads: ``torch.set_num_threads`` when given.
+        cpu_omp_threads_bind: ``auto`` | ``nobind`` | a CPU list: pin the OpenMP threads (``engine/cpu_threads.py``;
+            CPU only). Call the constructor on the thread that runs the engine's torch ops.
         torch_compile: run the decoder layers through ``CompiledLayers`` (``compile.py``); graphs compile at
             ``warmup``.
             ``None``: ``default_torch_compile`` (on for CPU unless ``$RADIXSERVE_TORCH_COMPILE`` is ``0``).
@@ -115,15 +118,15 @@ class ModelRunner:
         context_length: int | None = None,
         num_threads: int | None = None,
         mem_fraction_static: float | None = None,
+        cpu_omp_threads_bind: str = "nobind",
         torch_compile: bool | None = False,
         torch_compile_max_bs: int | None = None,
         torch_compile_cache_dir: str | None = None,
     ) -> None:
-        if num_threads:
-            torch.set_num_threads(num_threads)
         if not os.path.exists(model_path):
             raise FileNotFoundError(model_path)
         self.device = resolve_device(device)
+        self.cpu_binding = self._set_threads(num_threads, cpu_omp_threads_bind)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_config = ModelConfig.from_pretrained(model_path, context_length)
         cfg = self.model_config
@@ -137,7 +140,11 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         logger.info(
             "loaded %s (%s, %s) on %s in %.1f s",
-            model_path, cfg.architecture, self.dtype, self.device, self.load_seconds
+            model_path,
+            cfg.architecture,
+            self.dtype,
+            self.device,
+            self.load_seconds,
         )
         if max_total_tokens is not None and max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
@@ -164,6 +171,18 @@ class ModelRunner:
             cache = configure_compile_cache(compile_cache_dir(torch_compile_cache_dir), torch.get_num_threads())
             self.compiled = CompiledLayers(torch_compile_max_bs)
             logger.info("torch.compile on (inductor, %d threads), cache %s", torch.get_num_threads(), cache)
+
+    def _set_threads(self, num_threads: int | None, bind: str) -> dict[int, int]:
+        """``torch.set_num_threads`` and, on CPU, the OpenMP pinning; ``{thread id: cpu}`` of what was pinned."""
+        threads = num_threads or torch.get_num_threads()
+        cpus = resolve_bind(bind, threads) if self.device.type == "cpu" else None
+        if cpus is None:
+            torch.set_num_threads(threads)
+            return {}
+        placement = bind_omp_threads(cpus)
+        if placement:
+            logger.info("OpenMP threads pinned (thread -> cpu): %s", placement)
+        return placement
 
     def weight_bytes(self) -> int:
         """Bytes of the loaded parameters and buffers (a tied embedding counted once)."""
