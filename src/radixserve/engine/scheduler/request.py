@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from radixserve.engine.io_struct import GenerateRequest, SamplingParams, TokenLogprob
+from radixserve.engine.scheduler.finish import FinishReason
 from radixserve.engine.tokenizer.detokenize import IncrementalDetokenizer
 from radixserve.engine.tokenizer.stop import StopStringMatcher
 
@@ -48,7 +49,7 @@ class Req:
         self.pending_text = ""  # text produced since the last ReqOutput
         self.pending_ids: list[int] = []
         self.pending_logprobs: list[TokenLogprob] = []
-        self.finish_reason: dict[str, Any] | None = None
+        self.finish_reason: FinishReason | None = None
         # Constrained decoding: this sample's own grammar matcher (xgrammar). It has accepted exactly
         # ``output_ids`` (never the prompt), so prefix hits and retraction (which keeps ``output_ids``) leave it valid.
         self.grammar = greq.grammar
@@ -71,6 +72,11 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def max_new_tokens(self, context_length: int) -> int:
+        """Tokens this sample may generate: ``max_new_tokens``, or up to the context when it is None."""
+        m = self.params.max_new_tokens
+        return context_length - len(self.origin_input_ids) if m is None else m
 
     def reset_kv_state(self) -> None:
         """Forget KV placement (after the scheduler released it) so the request can be prefilled again (retract)."""

@@ -1,16 +1,25 @@
 """The continuous-batching scheduler loop (runs in its own thread; HTTP handlers never run a forward).
 
 Each iteration: take new requests and aborts, then either run one prefill (EXTEND) batch admitted under the token
-budgets — prefix hits from the radix cache are skipped, long prompts are prefilled in chunks — or one decode step
-over every running request. When the KV pool runs out during decode the newest requests are retracted to the
-queue. Design after SGLang's scheduler (srt/managers/scheduler.py, schedule_policy.py) and nano-vllm's.
+budgets (``prefill.py``) or one decode step over every running request (``decode.py``, which retracts the newest
+requests when the KV pool runs out). The parts, each in its own module, after mini-sglang's scheduler/ folder
+(python/minisgl/scheduler/) and SGLang's scheduler (srt/managers/scheduler.py, schedule_policy.py):
+
+- ``prefill.PrefillManager``: the waiting queue, the chunked request, admission;
+- ``decode.DecodeManager``: the running set, retraction;
+- ``cache.KVCacheManager``: slots, request rows, the prefix cache (``RadixCache`` or ``NoPrefixCache``), one
+  ``cache_req(req, finished)``;
+- ``batch``: ``ForwardBatch`` building; ``sample_step.BatchSampler``: sampling with grammar masks;
+- ``output.OutputProcessor``: tokens -> text, finish checks (``finish.FinishReason``), ``ReqOutput`` deltas;
+- ``timing``: the per-step split (forward / sampling / scheduling / output) and grammar timing.
+
+This module keeps the loop and the thread-safe API (``submit``, ``abort``, ``call``, ``start``, ``stop``).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hashlib
 import logging
 import queue
 import threading
@@ -23,70 +32,49 @@ import torch
 
 from radixserve.engine.io_struct import GenerateRequest, ReqOutput
 from radixserve.engine.memory.allocator import ReqToTokenPool, TokenSlotAllocator
+from radixserve.engine.memory.no_prefix_cache import NoPrefixCache
 from radixserve.engine.memory.radix_cache import RadixCache
-from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
-from radixserve.engine.sampling.sampler import apply_token_bitmask, sample
-from radixserve.engine.scheduler.policy import order_waiting
+from radixserve.engine.scheduler.batch import decode_batch, extend_batch
+from radixserve.engine.scheduler.cache import KVCacheManager, PrefixCache
+from radixserve.engine.scheduler.config import SchedulerConfig
+from radixserve.engine.scheduler.decode import DecodeManager
+from radixserve.engine.scheduler.finish import FinishKind, FinishReason
+from radixserve.engine.scheduler.output import OutputProcessor
+from radixserve.engine.scheduler.prefill import DECODE_RESERVE_CLIP, DECODE_RESERVE_RATIO, PrefillManager
 from radixserve.engine.scheduler.request import Req
+from radixserve.engine.scheduler.sample_step import BatchSampler
+from radixserve.engine.scheduler.seeds import sample_generator, sample_seed
 from radixserve.engine.scheduler.stats import DecodeSnapshot, DecodeStatsLog
+from radixserve.engine.scheduler.timing import GrammarTiming, StepTiming
+
+# Re-exported: other modules and tests import these from here.
+__all__ = [
+    "DECODE_RESERVE_CLIP",
+    "DECODE_RESERVE_RATIO",
+    "FinishKind",
+    "FinishReason",
+    "GrammarTiming",
+    "Scheduler",
+    "SchedulerConfig",
+    "StepTiming",
+    "sample_seed",
+]
 
 logger = logging.getLogger(__name__)
 
-# Fraction of a running request's remaining max_new_tokens reserved in the pool when admitting new prefills; the rest
-# is covered by eviction and, if that is not enough, retraction (SGLang's new_token_ratio idea, fixed here).
-DECODE_RESERVE_RATIO = 0.3
-# A single request never reserves more than this many decode tokens at admission.
-DECODE_RESERVE_CLIP = 256
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The torch seed of sample ``index`` of a request seeded with ``seed``: the first 8 bytes of
-    ``blake2b(f"{seed}:{index}")``, as an unsigned 64-bit integer.
-
-    A hash, not ``seed + index``: with the sum, sample ``i`` of seed ``s + 1`` repeated sample ``i + 1`` of seed ``s``.
-    Deterministic across runs and processes (no ``hash()``, which is salted per process), so the same seed and ``n``
-    give the same samples. Raises TypeError for a seed that is not an int (validation should have caught it; the
-    scheduler then fails that request alone).
-    """
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
 
 @dataclass
-class GrammarTiming:
-    """Time spent on grammar work (mask fill + apply + accept) vs whole decode steps, per decode batch shape.
+class _PhaseTimes:
+    """Seconds of one step's forward, sampling and output phases (scheduling is the rest of the step)."""
 
-    ``by_shape[(batch_size, constrained_rows)] = [steps, step_seconds, grammar_seconds]``; seconds of wall time on
-    the scheduler thread. Read by bench/constrained.py; cheap enough to be always on (two perf_counter calls/step).
-    """
-
-    by_shape: dict[tuple[int, int], list[float]]
-
-    def add(self, batch: int, constrained: int, step_s: float, grammar_s: float) -> None:
-        rec = self.by_shape.setdefault((batch, constrained), [0, 0.0, 0.0])
-        rec[0] += 1
-        rec[1] += step_s
-        rec[2] += grammar_s
-
-
-@dataclass
-class SchedulerConfig:
-    """Scheduler budgets, in tokens / requests."""
-
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 4096
-    chunked_prefill_size: int = 1024
-    schedule_policy: str = "lpm"
-    disable_radix_cache: bool = False
-    context_length: int = 8192
-    stream_interval: int = 1
-    decode_log_interval: int = 40  # decode steps between "Decode batch." lines (scheduler/stats.py)
+    decode_batch: int | None  # sequences of a decode step; None for a prefill step
+    forward_s: float
+    sample_s: float
+    output_s: float
 
 
 class Scheduler:
-    """Owns the KV memory (allocator, req_to_token, radix cache) and the model runner; produces ``ReqOutput``s.
+    """Owns the KV memory (allocator, req_to_token, prefix cache) and the model runner; produces ``ReqOutput``s.
 
     ``emit(outputs)`` is called from the scheduler thread once per step with every delta produced in that step.
     Thread-safety: ``submit`` and ``abort`` may be called from any thread; everything else runs on the loop thread.
@@ -113,11 +101,15 @@ class Scheduler:
         # Rows: every running request plus one being chunk-prefilled plus a parent about to fork.
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 2, config.context_length + 1)
         self.req_to_token = self.req_to_token_pool.req_to_token
-        self.cache = RadixCache(self.allocator, disable=config.disable_radix_cache)
+        self.cache: PrefixCache = (
+            NoPrefixCache(self.allocator) if config.disable_radix_cache else RadixCache(self.allocator)
+        )
+        self.kv = KVCacheManager(self.allocator, self.req_to_token_pool, self.cache)
+        self.prefill = PrefillManager(config, self.kv, self._on_admit)
+        self.decode = DecodeManager()
+        self.sampler = BatchSampler(lambda: int(runner.model_config.vocab_size), config.max_running_requests)
+        self.output = OutputProcessor(self.eos_token_ids, config, metrics)
 
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked_req: Req | None = None
         self.inbox: queue.Queue[GenerateRequest | None] = queue.Queue()  # None: wake the loop
         self.aborts: collections.deque[str] = collections.deque()
         # (fn, result_queue) run on the loop thread between steps
@@ -131,9 +123,28 @@ class Scheduler:
         self.forward_count = 0
         self.error: BaseException | None = None
         self.grammar_timing = GrammarTiming({})
+        self.step_timing = StepTiming()
         self.decode_stats = DecodeStatsLog(config.decode_log_interval)
-        self._step_grammar_s = 0.0  # grammar seconds of the current step
-        self._token_bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, CPU, reused
+
+    # ----------------------------------------------------------------------------------------------------------
+    # the queues (read by the engine facade, tests and benches)
+    @property
+    def waiting(self) -> list[Req]:
+        """Requests queued for prefill (admission order is the policy's, not this list's)."""
+        return self.prefill.waiting
+
+    @property
+    def running(self) -> list[Req]:
+        """Samples decoding."""
+        return self.decode.running
+
+    @property
+    def chunked_req(self) -> Req | None:
+        """The request whose prompt is being prefilled in chunks, if any."""
+        return self.prefill.chunked_req
+
+    def _busy(self) -> bool:
+        return self.prefill.runnable or self.decode.runnable
 
     # ----------------------------------------------------------------------------------------------------------
     # thread-safe API
@@ -183,7 +194,7 @@ class Scheduler:
             # The runner returns inference tensors; sampling updates them in place, so it must run in the same mode.
             with torch.inference_mode():
                 while not self._stop.is_set():
-                    self._recv(block=not (self.waiting or self.running or self.chunked_req))
+                    self._recv(block=not self._busy())
                     self._process_control()
                     self._process_aborts()
                     self.step()
@@ -196,18 +207,26 @@ class Scheduler:
 
     def step(self) -> None:
         """One scheduling step: a prefill batch if one can be admitted, else a decode step."""
+        t0 = time.perf_counter()
         outputs: list[ReqOutput] = []
-        batch = self._get_prefill_batch()
+        batch = self.prefill.schedule(self.decode.running)
+        phases = None
         if batch:
-            self._run_extend(batch, outputs)
-        elif self.running:
-            self._run_decode(outputs)
+            phases = self._run_extend(batch, outputs)
+        elif self.decode.running:
+            phases = self._run_decode(outputs)
+        t_emit = time.perf_counter()
         if outputs:
             self.last_output_time = time.monotonic()
             self.emit(outputs)
+        emit_s = time.perf_counter() - t_emit
         self._update_gauges()
-        if not (self.running or self.waiting or self.chunked_req):
+        if not self._busy():
             self.decode_stats.on_idle()
+        if phases is not None:
+            output_s = phases.output_s + emit_s
+            schedule_s = time.perf_counter() - t0 - phases.forward_s - phases.sample_s - output_s
+            self.step_timing.add(phases.decode_batch, phases.forward_s, phases.sample_s, schedule_s, output_s)
 
     def _recv(self, block: bool) -> None:
         try:
@@ -227,8 +246,8 @@ class Scheduler:
             self._add_request_unchecked(greq)
         except Exception as e:  # one bad request must not take the loop (and every other request) down
             logger.exception("rejected request %s", greq.rid)
-            self.waiting = [r for r in self.waiting if r.rid != greq.rid]
-            fr = {"type": "abort", "matched": None, "message": f"invalid request: {e}", "status_code": 400}
+            self.prefill.waiting[:] = [r for r in self.prefill.waiting if r.rid != greq.rid]
+            fr = FinishReason.abort(f"invalid request: {e}", 400).to_dict()
             self.emit(
                 [
                     ReqOutput(greq.rid, i, "", [], None, fr, len(greq.input_ids), 0, 0)
@@ -238,21 +257,25 @@ class Scheduler:
 
     def _add_request_unchecked(self, greq: GenerateRequest) -> None:
         params = greq.sampling_params
-        # Parallel sampling shares one prefill through the radix tree; without the tree each sample prefills alone.
-        fork = params.n > 1 and not self.cache.disable
+        # Parallel sampling shares one prefill through the prefix cache; without one each sample prefills alone.
+        fork = params.n > 1 and self.kv.shares_prefixes
         count = 1 if fork else params.n
         for i in range(count):
-            req = Req(greq, i, self.tokenizer, self._generator(params.seed, i))
+            req = Req(greq, i, self.tokenizer, sample_generator(params.seed, i, self.device))
             req.num_samples = params.n if fork else 1
-            self.waiting.append(req)
+            self.prefill.add(req)
         self.decode_stats.record_prompt(prompt_tokens=len(greq.input_ids) * params.n)
         if self.metrics is not None:
             self.metrics.prompt_tokens_total.inc(len(greq.input_ids) * params.n)
 
-    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
-        if seed is None:
-            return None
-        return torch.Generator(device=self.device).manual_seed(sample_seed(seed, index))
+    def _on_admit(self, req: Req, counts_cached: bool, first_schedule: bool) -> None:
+        """Stats and metrics of an admitted request (``prefill.AdmitHook``)."""
+        if counts_cached:
+            self.decode_stats.record_prompt(cached_tokens=req.cached_tokens * req.num_samples)
+            if self.metrics is not None:
+                self.metrics.cached_tokens_total.inc(req.cached_tokens * req.num_samples)
+        if first_schedule and self.metrics is not None and req.first_scheduled_time is not None:
+            self.metrics.queue_time_seconds.observe(req.first_scheduled_time - req.arrival_time)
 
     def _process_control(self) -> None:
         while True:
@@ -273,28 +296,23 @@ class Scheduler:
             rids.add(self.aborts.popleft())
         self._recv(block=False)  # a request submitted just before its abort may still be in the inbox
         outputs: list[ReqOutput] = []
-        for req in [r for r in self.waiting if r.rid in rids]:
-            self.waiting.remove(req)
-            self._finish(req, {"type": "abort", "matched": None, "message": "aborted"}, outputs)
-        if self.chunked_req is not None and self.chunked_req.rid in rids:
-            req, self.chunked_req = self.chunked_req, None
-            self._finish(req, {"type": "abort", "matched": None, "message": "aborted"}, outputs)
-        for req in [r for r in self.running if r.rid in rids]:
-            self.running.remove(req)
-            self._finish(req, {"type": "abort", "matched": None, "message": "aborted"}, outputs)
+        for req in self.prefill.take(rids) + self.decode.take(rids):
+            self._finish(req, FinishReason.abort("aborted"), outputs)
         if outputs:
             self.emit(outputs)
 
     def _abort_all(self, message: str) -> None:
         outputs: list[ReqOutput] = []
-        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
-        self.waiting, self.running, self.chunked_req = [], [], None
+        chunked = [self.prefill.chunked_req] if self.prefill.chunked_req is not None else []
+        reqs = self.prefill.waiting + self.decode.running + chunked
+        self.prefill.waiting, self.decode.running, self.prefill.chunked_req = [], [], None
+        reason = FinishReason.abort(message)
         for req in reqs:
             try:
-                self._finish(req, {"type": "abort", "matched": None, "message": message}, outputs)
+                self._finish(req, reason, outputs)
             except Exception:  # memory state may be broken after a crash; still tell every client
-                req.finish_reason = {"type": "abort", "matched": None, "message": message}
-                outputs.append(self._make_output(req))
+                req.finish_reason = reason
+                outputs.append(self.output.make_output(req))
         while True:  # requests submitted but never received
             try:
                 greq = self.inbox.get_nowait()
@@ -302,455 +320,111 @@ class Scheduler:
                 break
             if greq is not None:
                 for i in range(greq.sampling_params.n):
-                    outputs.append(
-                        ReqOutput(
-                            greq.rid,
-                            i,
-                            "",
-                            [],
-                            None,
-                            {"type": "abort", "matched": None, "message": message},
-                            len(greq.input_ids),
-                            0,
-                            0,
-                        )
-                    )
+                    outputs.append(ReqOutput(greq.rid, i, "", [], None, reason.to_dict(), len(greq.input_ids), 0, 0))
         if outputs:
             self.emit(outputs)
 
     # ----------------------------------------------------------------------------------------------------------
-    # admission (prefill)
-    def _available_tokens(self) -> int:
-        return self.allocator.available() + self.cache.evictable_size()
-
-    def _decode_reserve(self, reqs: list[Req]) -> int:
-        total = 0
-        for r in reqs:
-            remaining = self._max_new_tokens(r) - len(r.output_ids)
-            total += int(min(max(remaining, 0), DECODE_RESERVE_CLIP) * DECODE_RESERVE_RATIO) * max(r.num_samples, 1)
-        return total
-
-    def _max_new_tokens(self, req: Req) -> int:
-        m = req.params.max_new_tokens
-        return self.config.context_length - len(req.origin_input_ids) if m is None else m
-
-    def _get_prefill_batch(self) -> list[Req]:
-        cfg = self.config
-        if not self.waiting and self.chunked_req is None:
-            return []
-        batch: list[Req] = []
-        budget = cfg.max_prefill_tokens
-        reserve = self._decode_reserve(self.running)
-        num_running = len(self.running)
-
-        if self.chunked_req is not None:
-            req = self.chunked_req
-            self.chunked_req = None
-            self._schedule_extend(req, budget)
-            budget -= req.extend_len
-            batch.append(req)
-            num_running += req.num_samples
-            if req.kv_len + req.extend_len < len(req.fill_ids):
-                self.chunked_req = req  # still more chunks to go
-                return batch
-
-        for req in order_waiting(self.waiting, cfg.schedule_policy, self.cache):
-            if budget <= 0 or num_running + req.num_samples > cfg.max_running_requests:
-                break
-            match = self.cache.match_prefix(req.fill_ids[:-1]) if not self.cache.disable else None
-            prefix = len(match.slots) if match is not None else 0
-            need = len(req.fill_ids) - prefix
-            chunk = min(need, budget, cfg.chunked_prefill_size)
-            if chunk < need and chunk < min(cfg.chunked_prefill_size, need) and batch:
-                break  # not enough budget left for a useful chunk; leave it for the next batch
-            # Lock the prefix before measuring free memory: a locked prefix is no longer evictable, and counting it
-            # as free would re-admit a just-retracted request only to retract it again (livelock).
-            if match is not None:
-                self.cache.inc_lock_ref(match.last_node)
-            reserve_req = self._decode_reserve([req])
-            free = self._available_tokens() - self._pending_extend_tokens(batch)
-            if chunk + reserve + reserve_req > free and not (not batch and not self.running and chunk <= free):
-                # (an empty engine admits what fits without the decode reserve: nothing else could free memory)
-                if match is not None:
-                    self.cache.dec_lock_ref(match.last_node)
-                break
-            self.waiting.remove(req)
-            if not self._start_req(req, match):
-                if match is not None:
-                    self.cache.dec_lock_ref(match.last_node)
-                self.waiting.insert(0, req)
-                break
-            self._schedule_extend(req, budget)
-            budget -= req.extend_len
-            reserve += reserve_req
-            num_running += req.num_samples
-            batch.append(req)
-            if req.kv_len + req.extend_len < len(req.fill_ids):
-                self.chunked_req = req
-                break
-        return batch
-
-    def _pending_extend_tokens(self, batch: list[Req]) -> int:
-        """Slots the admitted (not yet allocated) extends of ``batch`` will take, tokens."""
-        return sum(r.extend_len for r in batch)
-
-    def _start_req(self, req: Req, match: Any) -> bool:
-        """Give ``req`` a req_to_token row and its cached prefix (``match``, already locked by the caller).
-
-        False when no row is free."""
-        idx = self.req_to_token_pool.alloc()
-        if idx is None:
-            return False
-        req.req_pool_idx = idx
-        req.last_node = match.last_node if match is not None else None
-        req.prefix_len = len(match.slots) if match is not None else 0
-        if req.prefix_len:
-            self.req_to_token[idx, : req.prefix_len] = match.slots
-        req.kv_len = req.prefix_len
-        if not req.cached_tokens_set:
-            req.cached_tokens = min(req.prefix_len, len(req.origin_input_ids))
-            req.cached_tokens_set = True
-            self.decode_stats.record_prompt(cached_tokens=req.cached_tokens * req.num_samples)
-            if self.metrics is not None:
-                self.metrics.cached_tokens_total.inc(req.cached_tokens * req.num_samples)
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.monotonic()
-            if self.metrics is not None:
-                self.metrics.queue_time_seconds.observe(req.first_scheduled_time - req.arrival_time)
-        return True
-
-    def _schedule_extend(self, req: Req, budget: int) -> None:
-        need = len(req.fill_ids) - req.kv_len
-        req.extend_len = max(1, min(need, max(budget, 1), self.config.chunked_prefill_size))
-
-    def _alloc_slots(self, n: int) -> torch.Tensor:
-        """Allocate ``n`` KV slots, evicting unlocked radix-tree leaves if needed. Raises MemoryError if impossible."""
-        if self.allocator.available() < n:
-            self.cache.evict(n - self.allocator.available())
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            raise MemoryError(f"KV pool exhausted: need {n} slots, {self.allocator.available()} free")
-        return slots
-
-    # ----------------------------------------------------------------------------------------------------------
     # forward passes
-    def _run_extend(self, batch: list[Req], outputs: list[ReqOutput]) -> None:
+    def _run_extend(self, batch: list[Req], outputs: list[ReqOutput]) -> _PhaseTimes | None:
         for req in list(batch):
             try:
-                slots = self._alloc_slots(req.extend_len)
+                self.kv.alloc_extend(req)
             except MemoryError:
                 # Should not happen thanks to admission control; put the request back rather than fail it.
                 batch.remove(req)
-                if self.chunked_req is req:
-                    self.chunked_req = None
                 req.extend_len = 0
                 self._retract(req)
-                continue
-            self.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + req.extend_len] = slots
         if not batch:
-            return
-        input_ids: list[int] = []
-        positions: list[int] = []
-        out_loc: list[torch.Tensor] = []
-        for req in batch:
-            ids = req.fill_ids[req.kv_len : req.kv_len + req.extend_len]
-            input_ids.extend(ids)
-            positions.extend(range(req.kv_len, req.kv_len + req.extend_len))
-            out_loc.append(self.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + req.extend_len])
-        seq_lens = [r.kv_len + r.extend_len for r in batch]
-        fb = self._forward_batch(
-            ForwardMode.EXTEND, batch, input_ids, positions, torch.cat(out_loc), seq_lens, [r.extend_len for r in batch]
-        )
+            return None
+        fb = extend_batch(batch, self.req_to_token, self.device)
+        t_fwd = time.perf_counter()
         logits = self.runner.forward(fb)
+        forward_s = time.perf_counter() - t_fwd
         self.forward_count += 1
 
         done: list[tuple[int, Req]] = []
         for i, req in enumerate(batch):
             req.kv_len += req.extend_len
             req.extend_len = 0
-            if req.kv_len < len(req.fill_ids):
-                self._cache_unfinished(req)  # a chunk: make it reusable right away; the request continues
-                continue
-            done.append((i, req))
-        if not done:
-            return
-        # Prefill finished: the prompt goes into the tree (so siblings and later requests hit it), then parents fork.
+            # A chunk or a whole prompt: into the cache right away, so siblings and later requests hit it.
+            self.kv.cache_req(req, finished=False)
+            if req.kv_len == req.seq_len:
+                done.append((i, req))
         rows: list[int] = []
         samplers: list[Req] = []
         for i, req in done:
-            self._cache_unfinished(req)  # no-op with the radix cache disabled
             if req.params.max_new_tokens == 0:
-                self._finish(req, {"type": "length", "matched": None}, outputs)
+                self._finish(req, FinishReason.length(), outputs)
                 continue
-            children = self._fork(req) if req.num_samples > 1 else [req]
-            for child in children:
+            for child in self._fork(req) if req.num_samples > 1 else [req]:
                 rows.append(i)
                 samplers.append(child)
+        sample_s = output_s = 0.0
         if samplers:
-            self._sample_and_process(logits[rows], samplers, outputs)
+            t_smp = time.perf_counter()
+            sampled = self.sampler.sample(logits[rows], samplers)
+            t_out = time.perf_counter()
+            finished = self.output.process(samplers, sampled, outputs)
+            sample_s, output_s = t_out - t_smp, time.perf_counter() - t_out
+            for req in finished:
+                self.kv.cache_req(req, finished=True)
         for req in samplers:
             if not req.finished:
-                self.running.append(req)
+                self.decode.add(req)
+        return _PhaseTimes(None, forward_s, sample_s, output_s)
 
-    def _run_decode(self, outputs: list[ReqOutput]) -> None:
+    def _run_decode(self, outputs: list[ReqOutput]) -> _PhaseTimes | None:
         # Every running request needs one slot; retract the newest until that fits.
-        while self.running and self._available_tokens() < len(self.running):
-            victim = max(self.running, key=lambda r: (r.arrival_time, r.index))
-            self.running.remove(victim)
-            self._retract(victim)
-        if not self.running:
-            return
+        self.decode.retract_until_fits(self.kv, self._retract)
+        if not self.decode.running:
+            return None
         t_step = time.perf_counter()
-        self._step_grammar_s = 0.0
-        batch = self.running
-        slots = self._alloc_slots(len(batch))
-        input_ids, positions = [], []
-        for j, req in enumerate(batch):
-            pos = req.seq_len - 1
-            self.req_to_token[req.req_pool_idx, pos] = slots[j]
-            input_ids.append(req.output_ids[-1])
-            positions.append(pos)
-        seq_lens = [r.seq_len for r in batch]
-        fb = self._forward_batch(ForwardMode.DECODE, batch, input_ids, positions, slots, seq_lens, [1] * len(batch))
+        batch = list(self.decode.running)
+        fb = decode_batch(batch, self.req_to_token, self.kv.alloc_slots(len(batch)), self.device)
+        t_fwd = time.perf_counter()
         logits = self.runner.forward(fb)
+        t_smp = time.perf_counter()
         self.forward_count += 1
         for req in batch:
             req.kv_len = req.seq_len
-        constrained = sum(1 for r in batch if r.matcher is not None)
-        size = len(batch)
-        self._sample_and_process(logits, list(batch), outputs)
-        self.running = [r for r in self.running if not r.finished]
-        self.grammar_timing.add(size, constrained, time.perf_counter() - t_step, self._step_grammar_s)
-        self.decode_stats.on_decode_step(size, t_step, self._decode_snapshot)
-
-    def _forward_batch(
-        self,
-        mode: ForwardMode,
-        batch: list[Req],
-        input_ids: list[int],
-        positions: list[int],
-        out_loc: torch.Tensor,
-        seq_lens: list[int],
-        extend_lens: list[int],
-    ) -> ForwardBatch:
-        kv = [self.req_to_token[r.req_pool_idx, :n] for r, n in zip(batch, seq_lens)]
-        indptr = [0]
-        for n in seq_lens:
-            indptr.append(indptr[-1] + n)
-        dev = self.device
-        return ForwardBatch(
-            mode=mode,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=out_loc.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64, device=dev),
-            kv_indptr=torch.tensor(indptr, dtype=torch.int64, device=dev),
-            kv_indices=torch.cat(kv).to(dev),
-            seq_lens_cpu=list(seq_lens),
-            extend_seq_lens_cpu=list(extend_lens),
-        )
+        sampled = self.sampler.sample(logits, batch)
+        t_out = time.perf_counter()
+        finished = self.output.process(batch, sampled, outputs)
+        t_done = time.perf_counter()
+        for req in finished:
+            self.kv.cache_req(req, finished=True)
+        self.decode.drop_finished()
+        constrained = sum(1 for r in batch if r.grammar is not None)
+        self.grammar_timing.add(len(batch), constrained, time.perf_counter() - t_step, self.sampler.grammar_s)
+        self.decode_stats.on_decode_step(len(batch), t_step, self._decode_snapshot)
+        return _PhaseTimes(len(batch), t_smp - t_fwd, t_out - t_smp, t_done - t_out)
 
     # ----------------------------------------------------------------------------------------------------------
-    # sampling and finishing
-    def _grammar_mask(self, reqs: list[Req]) -> Callable[[torch.Tensor], None] | None:
-        """Fill the token bitmask of the constrained rows of ``reqs``; returns the logits processor applying it."""
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        if not rows:
-            return None
-        t0 = time.perf_counter()
-        words = (self.runner.model_config.vocab_size + 31) // 32
-        if self._token_bitmask is None or self._token_bitmask.shape[0] < len(reqs):
-            self._token_bitmask = torch.full(
-                (max(len(reqs), self.config.max_running_requests), words), -1, dtype=torch.int32
-            )
-        bitmask = self._token_bitmask
-        for i in rows:
-            reqs[i].matcher.fill_next_token_bitmask(bitmask, i)
-        self._step_grammar_s += time.perf_counter() - t0
+    # finishing, forking, retraction
+    def _finish(self, req: Req, reason: FinishReason, outputs: list[ReqOutput]) -> None:
+        """Finish ``req`` (last delta into ``outputs``) and give its KV back to the cache / allocator."""
+        self.output.finish(req, reason, outputs)
+        self.kv.cache_req(req, finished=True)
 
-        def apply(logits: torch.Tensor) -> None:
-            t1 = time.perf_counter()
-            apply_token_bitmask(logits, bitmask, rows)
-            self._step_grammar_s += time.perf_counter() - t1
-
-        return apply
-
-    def _sample_and_process(self, logits: torch.Tensor, reqs: list[Req], outputs: list[ReqOutput]) -> None:
-        out = sample(
-            logits.float(),
-            [r.params for r in reqs],
-            [r.output_ids for r in reqs],
-            [r.origin_input_ids for r in reqs],
-            [r.generator for r in reqs],
-            [r.return_logprob for r in reqs],
-            [r.top_logprobs_num for r in reqs],
-            logits_processor=self._grammar_mask(reqs),
-        )
-        now = time.monotonic()
-        for req, tok, lp in zip(reqs, out.next_token_ids, out.logprobs):
-            grammar_done = False
-            if req.matcher is not None:
-                t0 = time.perf_counter()
-                accepted = req.matcher.accept_token(tok)
-                grammar_done = accepted and req.matcher.is_terminated()
-                self._step_grammar_s += time.perf_counter() - t0
-                if not accepted:
-                    # The mask allowed only grammar tokens, so this is a bug (or a row with no allowed token):
-                    # fail the request rather than continue unconstrained.
-                    logger.error("grammar rejected token %d of %s", tok, req)
-                    if self.metrics is not None:
-                        self.metrics.grammar_aborts_total.inc()
-                    if req in self.running:
-                        self.running.remove(req)
-                    self._finish(
-                        req,
-                        {
-                            "type": "abort",
-                            "matched": None,
-                            "status_code": 500,
-                            "message": f"constrained decoding failed: the grammar rejected token {tok}",
-                        },
-                        outputs,
-                    )
-                    continue
-            req.output_ids.append(tok)
-            if self.metrics is not None:
-                self.metrics.generation_tokens_total.inc()
-                if req.first_token_time is None:
-                    self.metrics.time_to_first_token_seconds.observe(now - req.arrival_time)
-                elif req.last_token_time is not None:
-                    self.metrics.inter_token_latency_seconds.observe(now - req.last_token_time)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            req.pending_ids.append(tok)
-            if lp is not None:
-                req.pending_logprobs.append(lp)
-            self._check_finish(req, tok, outputs, grammar_done)
-
-    def _check_finish(self, req: Req, tok: int, outputs: list[ReqOutput], grammar_done: bool = False) -> None:
-        p = req.params
-        reason = None
-        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
-            reason = {"type": "stop", "matched": tok}
-        elif grammar_done and tok in self.eos_token_ids:  # the grammar ended with eos (even under ignore_eos)
-            reason = {"type": "stop", "matched": tok}
-        else:
-            text, matched = req.stop_matcher.feed(req.detokenizer.add_tokens([tok]))
-            req.pending_text += text
-            if matched is not None:
-                reason = {"type": "stop", "matched": matched}
-            elif grammar_done:  # the grammar ended without a stop token (cannot happen with xgrammar's stop ids)
-                reason = {"type": "stop", "matched": None}
-            elif len(req.output_ids) >= self._max_new_tokens(req) or req.seq_len >= self.config.context_length:
-                reason = {"type": "length", "matched": None}
-        if reason is not None:
-            if req in self.running:
-                self.running.remove(req)
-            self._finish(req, reason, outputs)
-        elif len(req.output_ids) % self.config.stream_interval == 0 or len(req.output_ids) == 1:
-            outputs.append(self._make_output(req))
-
-    def _finish(self, req: Req, reason: dict[str, Any], outputs: list[ReqOutput]) -> None:
-        """Finish ``req``: flush held-back text (unless a stop string matched), release its KV, emit the last delta."""
-        if not (reason["type"] == "stop" and isinstance(reason["matched"], str)):
-            text, matched = req.stop_matcher.feed(req.detokenizer.flush())
-            req.pending_text += text
-            if matched is not None and reason["type"] != "abort":
-                reason = {"type": "stop", "matched": matched}
-            else:
-                req.pending_text += req.stop_matcher.flush()
-        req.finish_reason = reason
-        req.matcher = None  # free the grammar state now; the Req object may outlive the request briefly
-        self._release(req)
-        outputs.append(self._make_output(req))
-        if self.metrics is not None:
-            self.metrics.num_requests_total.inc()
-            if reason["type"] == "abort":
-                self.metrics.num_aborted_requests_total.inc()
-            self.metrics.e2e_request_latency_seconds.observe(time.monotonic() - req.arrival_time)
-
-    def _make_output(self, req: Req) -> ReqOutput:
-        out = ReqOutput(
-            rid=req.rid,
-            index=req.index,
-            text=req.pending_text,
-            token_ids=req.pending_ids,
-            logprobs=req.pending_logprobs if req.return_logprob else None,
-            finish_reason=req.finish_reason,
-            prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-        )
-        req.pending_text, req.pending_ids, req.pending_logprobs = "", [], []
-        return out
-
-    # ----------------------------------------------------------------------------------------------------------
-    # KV bookkeeping
     def _fork(self, parent: Req) -> list[Req]:
         """Split a prefilled parent into ``n`` samples sharing its prompt KV (all of it is in the radix tree now)."""
         children = [parent]
         for i in range(1, parent.num_samples):
-            child = Req(parent.greq, i, self.tokenizer, self._generator(parent.params.seed, i))
-            idx = self.req_to_token_pool.alloc()
-            assert idx is not None, "admission reserved a row per sample"
-            child.req_pool_idx = idx
-            child.prefix_len = parent.prefix_len
-            child.kv_len = parent.kv_len
-            child.last_node = parent.last_node
+            child = Req(parent.greq, i, self.tokenizer, sample_generator(parent.params.seed, i, self.device))
+            self.kv.fork(parent, child)
             child.cached_tokens = parent.cached_tokens
             child.cached_tokens_set = True
             child.first_scheduled_time = parent.first_scheduled_time
             child.num_samples = 1
-            self.cache.inc_lock_ref(child.last_node)
-            self.req_to_token[idx, : parent.kv_len] = self.req_to_token[parent.req_pool_idx, : parent.kv_len]
             children.append(child)
         parent.num_samples = 1
         return children
 
-    def _cache_unfinished(self, req: Req) -> None:
-        """Insert the request's computed KV into the radix tree and move its lock to the new deepest node."""
-        if self.cache.disable:
-            return
-        row = req.req_pool_idx
-        tokens = req.fill_ids[: req.kv_len]
-        slots = self.req_to_token[row, : req.kv_len].clone()
-        present = self.cache.insert(tokens, slots)
-        if present > req.prefix_len:
-            # The tree already had tokens [prefix_len, present) under other slots: ours are duplicates.
-            self.allocator.free(slots[req.prefix_len : present])
-        match = self.cache.match_prefix(tokens)
-        assert len(match.slots) == req.kv_len, "inserted prefix must match in full"
-        self.req_to_token[row, : req.kv_len] = match.slots
-        if req.last_node is not None:
-            self.cache.dec_lock_ref(req.last_node)
-        self.cache.inc_lock_ref(match.last_node)
-        req.last_node = match.last_node
-        req.prefix_len = req.kv_len
-
-    def _release(self, req: Req) -> None:
-        """Return the request's KV: computed tokens go into the radix tree (reusable), the rest back to the pool."""
-        if req.req_pool_idx is None:
-            return
-        row = req.req_pool_idx
-        if self.cache.disable:
-            if req.kv_len > 0:
-                self.allocator.free(self.req_to_token[row, : req.kv_len].clone())
-        else:
-            slots = self.req_to_token[row, : req.kv_len].clone()
-            present = self.cache.insert(req.fill_ids[: req.kv_len], slots)
-            if present > req.prefix_len:
-                self.allocator.free(slots[req.prefix_len : present])
-            if req.last_node is not None:
-                self.cache.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(row)
-        req.reset_kv_state()
-
     def _retract(self, req: Req) -> None:
         """Preempt ``req``: release its KV (cached for reuse) and put it back at the head of the queue."""
-        self._release(req)
-        self.waiting.insert(0, req)
+        self.kv.cache_req(req, finished=True)
+        self.prefill.requeue(req)
         if self.metrics is not None:
             self.metrics.num_retracted_reqs_total.inc()
         logger.info("retracted %s: KV pool exhausted", req)
@@ -759,20 +433,20 @@ class Scheduler:
     # introspection / control (loop thread)
     def flush_cache(self) -> bool:
         """Drop every cached prefix. False (nothing done) while requests are in flight."""
-        if self.running or self.waiting or self.chunked_req is not None:
+        if self._busy():
             return False
-        self.cache.reset()
+        self.kv.flush()
         return True
 
     def used_tokens(self) -> int:
         """KV slots not free (held by requests or the radix tree), tokens."""
-        return self.allocator.size - self.allocator.available()
+        return self.kv.used_tokens()
 
     def _decode_snapshot(self) -> DecodeSnapshot:
         """The stats line's view of the engine (as the gauges: a chunked prefill counts as running)."""
         return DecodeSnapshot(
-            running_reqs=len(self.running) + (1 if self.chunked_req is not None else 0),
-            queued_reqs=len(self.waiting),
+            running_reqs=len(self.decode.running) + (1 if self.prefill.chunked_req is not None else 0),
+            queued_reqs=len(self.prefill.waiting),
             used_tokens=self.used_tokens() - self.cache.evictable_size(),
             max_total_tokens=self.allocator.size,
         )
@@ -783,8 +457,8 @@ class Scheduler:
             return
         used = self.used_tokens()
         evictable = self.cache.evictable_size()
-        m.num_running_reqs.set(len(self.running) + (1 if self.chunked_req is not None else 0))
-        m.num_queue_reqs.set(len(self.waiting))
+        m.num_running_reqs.set(len(self.decode.running) + (1 if self.prefill.chunked_req is not None else 0))
+        m.num_queue_reqs.set(len(self.prefill.waiting))
         m.num_used_tokens.set(used)
         m.num_evictable_tokens.set(evictable)
         m.max_total_num_tokens.set(self.allocator.size)

@@ -1,0 +1,106 @@
+"""The sampling phase of a step: one batched ``sample`` over the rows that need a token, with the grammar token
+masks of constrained rows filled before it and each constrained row's token accepted by its matcher after it.
+
+Grammar work (bitmask fill, apply, accept) is timed for ``GrammarTiming`` (bench/constrained.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.engine.io_struct import TokenLogprob
+from radixserve.engine.sampling.sampler import apply_token_bitmask, sample
+from radixserve.engine.scheduler.request import Req
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledTokens:
+    """One token per row of a sampling step.
+
+    Attributes:
+        token_ids: the chosen token of each row.
+        logprobs: per row a ``TokenLogprob``, or None where the request did not ask for logprobs.
+        rejected: per row, True when the row's grammar matcher rejected its token (a bug, or a row with no allowed
+            token): the sample must fail rather than go on unconstrained.
+        grammar_done: per row, True when the grammar accepted the token and terminated.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    rejected: list[bool]
+    grammar_done: list[bool]
+
+
+class BatchSampler:
+    """Samples the next token of every row; owns the reusable grammar bitmask.
+
+    Args:
+        vocab_size: a callable giving the model's vocabulary size (read only when a constrained row appears, so a
+            stub runner without a model config works for unconstrained tests).
+        max_rows: rows the bitmask is first sized for (it grows when a batch is larger).
+    """
+
+    def __init__(self, vocab_size: Callable[[], int], max_rows: int):
+        self.vocab_size = vocab_size
+        self.max_rows = max_rows
+        self.grammar_s = 0.0  # grammar seconds of the last ``sample`` call
+        self._token_bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, CPU, reused
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> SampledTokens:
+        """Sample one token per row of ``logits`` (float ``[len(reqs), vocab]``, modified in place) for ``reqs``."""
+        self.grammar_s = 0.0
+        out = sample(
+            logits.float(),
+            [r.params for r in reqs],
+            [r.output_ids for r in reqs],
+            [r.origin_input_ids for r in reqs],
+            [r.generator for r in reqs],
+            [r.return_logprob for r in reqs],
+            [r.top_logprobs_num for r in reqs],
+            logits_processor=self._grammar_mask(reqs),
+        )
+        n = len(reqs)
+        rejected, done = [False] * n, [False] * n
+        t0 = time.perf_counter()
+        constrained = False
+        for i, req in enumerate(reqs):
+            if req.matcher is None:
+                continue
+            constrained = True
+            tok = out.next_token_ids[i]
+            if req.matcher.accept_token(tok):
+                done[i] = req.matcher.is_terminated()
+            else:
+                logger.error("grammar rejected token %d of %s", tok, req)
+                rejected[i] = True
+        if constrained:
+            self.grammar_s += time.perf_counter() - t0
+        return SampledTokens(out.next_token_ids, out.logprobs, rejected, done)
+
+    def _grammar_mask(self, reqs: Sequence[Req]) -> Callable[[torch.Tensor], None] | None:
+        """Fill the token bitmask of the constrained rows of ``reqs``; returns the logits processor applying it."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not rows:
+            return None
+        t0 = time.perf_counter()
+        words = (self.vocab_size() + 31) // 32
+        if self._token_bitmask is None or self._token_bitmask.shape[0] < len(reqs):
+            self._token_bitmask = torch.full((max(len(reqs), self.max_rows), words), -1, dtype=torch.int32)
+        bitmask = self._token_bitmask
+        for i in rows:
+            reqs[i].matcher.fill_next_token_bitmask(bitmask, i)
+        self.grammar_s += time.perf_counter() - t0
+
+        def apply(logits: torch.Tensor) -> None:
+            t1 = time.perf_counter()
+            apply_token_bitmask(logits, bitmask, rows)
+            self.grammar_s += time.perf_counter() - t1
+
+        return apply
