@@ -320,3 +320,78 @@ def test_extend_cascade_shared_length_capped_at_cached_prefix():
     out = backend.forward(q, k, v, 0, pool, batch)
     torch.testing.assert_close(out.double(), _reference(q, pool, 0, batch, D**-0.5), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, plain.forward(q, k, v, 0, pool, batch), atol=1e-5, rtol=1e-5)
+
+
+def _alone(batch: ForwardBatch, i: int, q, k, v):
+    """Sequence ``i`` of ``batch`` as a batch of its own (same slots) with its rows of ``q``/``k``/``v``."""
+    starts = [0]
+    for n in batch.extend_seq_lens_cpu:
+        starts.append(starts[-1] + n)
+    lo, hi = int(batch.kv_indptr[i]), int(batch.kv_indptr[i + 1])
+    one = ForwardBatch.build(batch.mode, [[0] * batch.extend_seq_lens_cpu[i]], [batch.kv_indices[lo:hi].tolist()])
+    rows = slice(starts[i], starts[i + 1])
+    return one, q[rows], k[rows], v[rows], rows
+
+
+DETERMINISTIC_CASES = {
+    "decode_groups_and_padding": (
+        ForwardMode.DECODE,
+        lambda dt: _cascade_case(7, dt, *CASCADE_CASES["two_groups"]),
+    ),
+    "decode_unequal_suffixes": (
+        ForwardMode.DECODE,
+        lambda dt: _cascade_case(7, dt, *CASCADE_CASES["unequal_suffix_padding"]),
+    ),
+    "extend_groups_and_plain": (
+        ForwardMode.EXTEND,
+        lambda dt: _extend_cascade_case(9, dt, *EXTEND_CASCADE_CASES["some_not_sharing_and_no_prefix"]),
+    ),
+    "extend_two_groups": (
+        ForwardMode.EXTEND,
+        lambda dt: _extend_cascade_case(9, dt, *EXTEND_CASCADE_CASES["two_groups"]),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DETERMINISTIC_CASES))
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_deterministic_attention_of_a_sequence_does_not_depend_on_its_batch(case, dtype, atol):
+    """--enable-deterministic-inference: every sequence's output is bitwise what it gets alone, in batches where the
+    default backend would group shared prefixes (cascade) and pad decode contexts to the longest one."""
+    mode, make = DETERMINISTIC_CASES[case]
+    pool, batch, q, k, v = make(dtype)
+    default = TorchBackend(HQ, HKV, D, cascade_min_prefix=1)
+    default.init_forward_metadata(batch)
+    det = TorchBackend(HQ, HKV, D, cascade_min_prefix=1, deterministic=True)
+    det.init_forward_metadata(batch)
+    if mode == ForwardMode.DECODE:
+        assert default._decode is not None and default._decode.groups  # the default takes the cascade path here
+        assert det._decode is None and len(det._decode_seqs) == batch.batch_size
+    else:
+        assert default._extend_groups and det._extend_groups == []
+    out = det.forward(q, k, v, 1, pool, batch)
+    torch.testing.assert_close(out.double(), _reference(q, pool, 1, batch, D**-0.5), atol=atol, rtol=atol)
+    for i in range(batch.batch_size):
+        one, qi, ki, vi, rows = _alone(batch, i, q, k, v)
+        det.init_forward_metadata(one)
+        assert torch.equal(det.forward(qi, ki, vi, 1, pool, one), out[rows]), f"sequence {i}"
+
+
+def test_deterministic_decode_alone_is_the_default_batch_one_path():
+    """A batch of one gives bitwise the same output with and without the flag (greedy output cannot change)."""
+    pool, batch, q, k, v = _make_case(ForwardMode.DECODE, seed=4, dtype=torch.bfloat16)
+    one, qi, ki, vi, _ = _alone(batch, 1, q, k, v)
+    outs = []
+    for det in (False, True):
+        backend = TorchBackend(HQ, HKV, D, deterministic=det)
+        backend.init_forward_metadata(one)
+        outs.append(backend.forward(qi, ki, vi, 0, pool, one))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_factory_deterministic_picks_the_torch_backend():
+    backend = create_attention_backend("auto", HQ, HKV, D, torch.bfloat16, "cpu", deterministic=True)
+    assert isinstance(backend, TorchBackend) and backend.deterministic
+    assert not create_attention_backend("torch", HQ, HKV, D, torch.float32, "cpu").deterministic
+    with pytest.raises(ValueError, match="deterministic"):
+        create_attention_backend("flashinfer", HQ, HKV, D, torch.bfloat16, "cpu", deterministic=True)

@@ -55,7 +55,11 @@ def _compare(path: str, vocab: int, cache_dir: str, n_new: int = 16) -> None:
     eager = ModelRunner(path, dtype="float32", device="cpu", max_total_tokens=1024, torch_compile=False)
     graphs_before = counters["stats"]["unique_graphs"]
     compiled = ModelRunner(
-        path, dtype="float32", device="cpu", max_total_tokens=1024, torch_compile=True,
+        path,
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=1024,
+        torch_compile=True,
         torch_compile_cache_dir=cache_dir,
     )
     assert compiled.compiled is not None and eager.compiled is None

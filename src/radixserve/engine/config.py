@@ -51,6 +51,9 @@ class EngineArgs:
     disable_torch_compile: bool = False
     torch_compile_max_bs: int | None = None  # forwards of more sequences run eager; default: all compiled
     torch_compile_cache_dir: str | None = None  # default: ~/.cache/radixserve/torch-compile
+    # Batch-invariant logits (engine/model/batch_invariant.py, deterministic TorchBackend): a request's output
+    # does not depend on the requests batched with it. Costs speed; see bench/README.md.
+    enable_deterministic_inference: bool = False
     # OpenMP thread pinning, vLLM's VLLM_CPU_OMP_THREADS_BIND (engine/cpu_threads.py): auto | nobind | "0-1"
     cpu_omp_threads_bind: str = os.environ.get("RADIXSERVE_CPU_OMP_THREADS_BIND", "auto")
     stream_interval: int = 1  # tokens between streamed chunks
@@ -150,6 +153,8 @@ HELP: dict[str, str] = {
     "$RADIXSERVE_CPU_OMP_THREADS_BIND)",
     "torch_compile_cache_dir": "where compile artifacts are kept (default: $RADIXSERVE_COMPILE_CACHE_DIR, else "
     "~/.cache/radixserve/torch-compile)",
+    "enable_deterministic_inference": "batch-invariant inference (SGLang's flag): a request's logits, and so its "
+    "seeded or greedy tokens, do not depend on the other requests in its batch (torch attention backend; slower)",
     "stream_interval": "tokens between streamed chunks",
     "decode_log_interval": "decode steps between the 'Decode batch.' stats lines (logged at INFO while there is work)",
     "max_request_body_bytes": "largest request body in bytes; larger ones are answered 413",
@@ -199,7 +204,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def validate_engine_args(args: EngineArgs) -> None:
     """Raise ``ValueError`` naming the flag for a value no engine can run with (a value outside a flag's choices,
     an integer below its least valid value, a memory fraction outside (0, 1), a chat template that is a missing file
-    or does not compile). ``EngineArgs()`` passes."""
+    or does not compile, deterministic inference on flashinfer). ``EngineArgs()`` passes."""
     for name, choices in CHOICES.items():
         value = getattr(args, name)
         if value is not None and value not in choices:
@@ -219,6 +224,8 @@ def validate_engine_args(args: EngineArgs) -> None:
         raise ValueError(f"--cpu-omp-threads-bind: {e}") from None
     if args.enable_torch_compile and args.disable_torch_compile:
         raise ValueError("--enable-torch-compile and --disable-torch-compile exclude each other")
+    if args.enable_deterministic_inference and args.attention_backend == "flashinfer":
+        raise ValueError("--enable-deterministic-inference needs --attention-backend torch (or auto), not flashinfer")
     f = args.mem_fraction_static
     if f is not None and not 0 < f < 1:
         raise ValueError(f"--mem-fraction-static must be between 0 and 1 (exclusive), got {f}")

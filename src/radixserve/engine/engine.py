@@ -112,6 +112,7 @@ class Engine:
             context_length=args.context_length,
             num_threads=args.num_threads,
             cpu_omp_threads_bind=args.cpu_omp_threads_bind,
+            deterministic=args.enable_deterministic_inference,
             torch_compile=torch_compile_choice(args),
             torch_compile_max_bs=args.torch_compile_max_bs,
             torch_compile_cache_dir=args.torch_compile_cache_dir,

@@ -72,21 +72,25 @@ def create_attention_backend(
     dtype: torch.dtype,
     device: torch.device | str,
     scale: float | None = None,
+    deterministic: bool = False,
 ) -> AttentionBackend:
     """Build the backend called ``name``.
 
     ``auto`` picks flashinfer when CUDA is available, flashinfer imports and ``dtype`` is fp16/bf16 (flashinfer has no
-    fp32 kernels); otherwise the torch backend.
+    fp32 kernels); otherwise the torch backend. ``deterministic`` (``--enable-deterministic-inference``) asks for
+    batch-invariant attention, which only the torch backend has: ``auto`` then picks it.
 
     Raises:
-        ValueError: unknown name, or ``flashinfer`` requested where it cannot run.
+        ValueError: unknown name, ``flashinfer`` requested where it cannot run or with ``deterministic``.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     dev = torch.device(device)
     if name == "auto":
         ok = dev.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashinfer_available()
-        name = "flashinfer" if ok else "torch"
+        name = "flashinfer" if ok and not deterministic else "torch"
+    if name == "flashinfer" and deterministic:
+        raise ValueError("deterministic inference needs the torch attention backend, not flashinfer")
     if name == "flashinfer":
         if dev.type != "cuda" or not flashinfer_available():
             raise ValueError("the flashinfer backend needs a CUDA device and the flashinfer package")
@@ -98,6 +102,6 @@ def create_attention_backend(
     else:
         from radixserve.engine.attention.torch_cpu import TorchBackend
 
-        backend = TorchBackend(num_heads, num_kv_heads, head_dim, scale)
+        backend = TorchBackend(num_heads, num_kv_heads, head_dim, scale, deterministic=deterministic)
     logger.info("attention backend: %s", name)
     return backend

@@ -93,6 +93,11 @@ class TorchBackend(AttentionBackend):
     path only
     with at least that many shared leading slots and sequences (a ``cascade_min_seqs`` above the batch size disables
     it; values below 1 slot / 2 sequences are raised to those).
+
+    ``deterministic`` (``--enable-deterministic-inference``): a sequence's attention is computed exactly as if it were
+    alone in its batch, so batch composition cannot change its result: no cascade grouping in DECODE or EXTEND, and
+    DECODE runs the unpadded batch-1 computation once per sequence (with padding to the batch's longest context, the
+    softmax sum and the probability x value reduction would run over a length set by the other sequences).
     """
 
     def __init__(
@@ -103,21 +108,30 @@ class TorchBackend(AttentionBackend):
         scale: float | None = None,
         cascade_min_prefix: int = CASCADE_MIN_PREFIX,
         cascade_min_seqs: int = CASCADE_MIN_SEQS,
+        deterministic: bool = False,
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.cascade_min_prefix = max(1, cascade_min_prefix)
         self.cascade_min_seqs = max(2, cascade_min_seqs)
+        self.deterministic = deterministic
         self._extend: list[_ExtendSeq] = []
         self._extend_groups: list[_ExtendGroup] = []
         self._decode: _DecodeMeta | None = None
+        self._decode_seqs: list[tuple[int, torch.Tensor]] = []  # deterministic DECODE: (length, head-major rows)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Per-sequence slices and masks (EXTEND); shared-prefix groups, padded suffix gather and bias (DECODE)."""
         dev = batch.kv_indices.device
         if batch.mode == ForwardMode.DECODE:
-            self._decode = self._decode_metadata(batch)
+            if self.deterministic:
+                self._decode_seqs = self._decode_seqs_metadata(batch)
+            else:
+                self._decode = self._decode_metadata(batch)
             return
-        shared, self._extend_groups = self._extend_groups_metadata(batch)
+        if self.deterministic:
+            shared, self._extend_groups = [0] * batch.batch_size, []
+        else:
+            shared, self._extend_groups = self._extend_groups_metadata(batch)
         seqs, q0, kv0 = [], 0, 0
         for i, (n_new, n_kv) in enumerate(zip(batch.extend_seq_lens_cpu, batch.seq_lens_cpu)):
             prefix = n_kv - n_new
@@ -194,6 +208,8 @@ class TorchBackend(AttentionBackend):
         kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = kv_pool.get_kv(layer_id)
         if batch.mode == ForwardMode.DECODE:
+            if self.deterministic:
+                return self._decode_forward_per_seq(q, k_buf, v_buf)
             return self._decode_forward(q, k_buf, v_buf)
         T = q.shape[0]
         out = torch.empty((T, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
@@ -342,6 +358,29 @@ class TorchBackend(AttentionBackend):
             bias = torch.zeros((1, B, 1, max_len), dtype=torch.float32, device=dev)
             bias.masked_fill_(~valid.view(1, B, 1, max_len), float("-inf"))
         return _DecodeMeta(self._head_rows(slots.reshape(-1)), max_len, bias, groups)
+
+    def _decode_seqs_metadata(self, batch: ForwardBatch) -> list[tuple[int, torch.Tensor]]:
+        """Deterministic DECODE: per sequence, its context length and head-major pool rows ``[Hkv * len]``."""
+        indptr = batch.kv_indptr.tolist()
+        return [
+            (n, self._head_rows(batch.kv_indices[indptr[i] : indptr[i] + n])) for i, n in enumerate(batch.seq_lens_cpu)
+        ]
+
+    def _decode_forward_per_seq(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
+        """Deterministic DECODE: each sequence's attention on its own unpadded context, the same ops and shapes as
+        the batch-1 path of ``_decode_forward`` (so a sequence alone and in any batch gets bitwise the same output)."""
+        B, Hkv, D, G = q.shape[0], self.num_kv_heads, self.head_dim, self.group
+        dt = q.dtype
+        k_rows, v_rows = k_buf.view(-1, D), v_buf.view(-1, D)  # [num_slots * Hkv, D], no copy
+        out = torch.empty((B, Hkv, G, D), dtype=dt, device=q.device)
+        for b, (L, rows) in enumerate(self._decode_seqs):
+            keys = k_rows.index_select(0, rows).view(Hkv, L, D).to(dt)
+            vals = v_rows.index_select(0, rows).view(Hkv, L, D).to(dt)
+            qh = (q[b] * self.scale).view(Hkv, G, D)
+            scores = torch.bmm(qh, keys.transpose(1, 2)).float()  # [Hkv, G, L]
+            probs = torch.softmax(scores, dim=-1).to(dt)
+            torch.bmm(probs, vals, out=out[b])
+        return out.view(B, Hkv * G * D)
 
     def _decode_forward(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
         meta = self._decode

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.engine.model import attention_op
+from radixserve.engine.model.batch_invariant import batch_invariant_linear
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.rope import RotaryEmbedding
 
@@ -47,8 +48,20 @@ class RMSNorm(nn.Module):
         return self(summed), summed
 
 
-def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
-    lin = nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device)
+class Linear(nn.Linear):
+    """``nn.Linear`` without gradients that can run batch-invariant (``batch_invariant_linear``) for
+    ``--enable-deterministic-inference``: then row ``i`` of the output depends only on row ``i`` of the input."""
+
+    batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return batch_invariant_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device: torch.device | str) -> Linear:
+    lin = Linear(n_in, n_out, bias=bias, dtype=dtype, device=device)
     lin.weight.requires_grad_(False)
     if bias:
         lin.bias.requires_grad_(False)
@@ -172,6 +185,14 @@ class LlamaForCausalLM(nn.Module):
             None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         )
         self.rope: RotaryEmbedding | None = None
+        self.batch_invariant = False
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Every projection and the LM head batch-invariant (``--enable-deterministic-inference``) or not."""
+        self.batch_invariant = on
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.batch_invariant = on
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate (uninitialised) storage on ``device`` and build the RoPE cos/sin cache there."""
@@ -224,4 +245,6 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None, "a model has at least one layer"
         # row-wise from here on: pick the rows first, so the norm and the LM head run on [batch] rows only
         hidden, _ = self.model.norm.add_norm(hidden[logits_indices], residual[logits_indices])
+        if self.batch_invariant:
+            return batch_invariant_linear(hidden, self.lm_head_weight()).float()
         return F.linear(hidden, self.lm_head_weight()).float()

@@ -96,6 +96,8 @@ class ModelRunner:
         num_threads: ``torch.set_num_threads`` when given.
         cpu_omp_threads_bind: ``auto`` | ``nobind`` | a CPU list: pin the OpenMP threads (``engine/cpu_threads.py``;
             CPU only). Call the constructor on the thread that runs the engine's torch ops.
+        deterministic: batch-invariant logits (``--enable-deterministic-inference``): batch-invariant projections and
+            LM head (``model/batch_invariant.py``) and the torch backend's deterministic attention.
         torch_compile: run the decoder layers through ``CompiledLayers`` (``compile.py``); graphs compile at
             ``warmup``.
             ``None``: ``default_torch_compile`` (on for CPU unless ``$RADIXSERVE_TORCH_COMPILE`` is ``0``).
@@ -119,6 +121,7 @@ class ModelRunner:
         num_threads: int | None = None,
         mem_fraction_static: float | None = None,
         cpu_omp_threads_bind: str = "nobind",
+        deterministic: bool = False,
         torch_compile: bool | None = False,
         torch_compile_max_bs: int | None = None,
         torch_compile_cache_dir: str | None = None,
@@ -137,6 +140,7 @@ class ModelRunner:
             self.model.materialize(self.device, self.dtype)
             load_weights(self.model, model_path)
         self.model.eval()
+        self.model.set_batch_invariant(deterministic)
         self.load_seconds = time.perf_counter() - t0
         logger.info(
             "loaded %s (%s, %s) on %s in %.1f s",
@@ -162,7 +166,13 @@ class ModelRunner:
             pool.rule,
         )
         self.attn_backend = create_attention_backend(
-            attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            attention_backend,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+            deterministic=deterministic,
         )
         self.compiled: CompiledLayers | None = None
         if torch_compile is None:
