@@ -688,8 +688,13 @@ def _backend(**kwargs: Any) -> Any:
     from radixserve.engine.grammar.xgrammar_backend import GrammarBackend
 
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    # The limits apply after the warm-up compile, which builds the TokenizerInfo first (regression: under load that
+    # took over the 0.3 s queue limit of the busy-workers test, whose warm-up itself was then refused with a 503).
+    limits = {k: kwargs.pop(k) for k in ("queue_timeout_s", "compile_timeout_s") if k in kwargs}
     backend = GrammarBackend(tok, V, [2], **kwargs)
-    backend.get_sync("regex", "warm")  # the TokenizerInfo is built before any timing starts
+    backend.get_sync("regex", "warm")
+    for name, value in limits.items():
+        setattr(backend, name, value)
     return backend
 
 
