@@ -5,6 +5,7 @@ presence / frequency penalties, computed densely here and compared with the spar
 """
 
 import math
+import random
 
 import pytest
 import torch
@@ -187,6 +188,57 @@ def test_seeded_rows_reproducible_regardless_of_batch():
         results.append(tokens)
     assert results[0] == results[1] == results[2]
     assert len(set(results[0])) > 1  # actually sampling, not greedy
+
+
+SEEDED_TARGETS = [
+    SamplingParams(temperature=0.8, seed=7),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=7),
+    SamplingParams(temperature=1.3, top_k=50, min_p=0.05, seed=7),
+    SamplingParams(temperature=0.7, top_p=0.9999, seed=7),  # a nucleus wider than TOP_P_CANDIDATES: full sort
+    SamplingParams(temperature=0.8, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3, seed=7),
+]
+
+
+@pytest.mark.parametrize("target", SEEDED_TARGETS, ids=["plain", "top_p", "top_k_min_p", "wide_top_p", "penalties"])
+def test_seeded_row_beside_any_mix_of_rows_draws_the_same_tokens(target):
+    """A seeded row's tokens depend only on its logits and generator: alone, or at any position beside greedy,
+    top-k, top-p (narrow and wide), min-p, penalised, other-seeded and NaN rows, with or without logprobs."""
+    vocab = 49152
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(vocab, generator=g) * 3
+    others = torch.randn(8, vocab, generator=g) * 3
+    others[5] = float("nan")
+    neighbours = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=5),
+        SamplingParams(temperature=0.9, top_p=0.5),
+        SamplingParams(temperature=1.0, top_p=0.99999),
+        SamplingParams(temperature=0.6, min_p=0.2),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=0.8, seed=3),
+        SamplingParams(temperature=1.1, repetition_penalty=1.5),
+    ]
+    runs = []
+    for layout in range(5):
+        rnd = random.Random(layout)
+        chosen = rnd.sample(range(8), rnd.randrange(1, 9)) if layout else []
+        pos = rnd.randrange(len(chosen) + 1)
+        params = [neighbours[i] for i in chosen]
+        params.insert(pos, target)
+        rows = [others[i] for i in chosen]
+        rows.insert(pos, row)
+        gens: list = [torch.Generator().manual_seed(3) if p.seed is not None else None for p in params]
+        gens[pos] = torch.Generator().manual_seed(7)
+        tokens: list[int] = []
+        for _ in range(12):
+            outs = [[1, 2, 3, *tokens] if i == pos else [4, 5] for i in range(len(params))]
+            lp = [rnd.random() < 0.5 for _ in params]
+            top = [rnd.randrange(5) for _ in params]
+            out = run(torch.stack(rows), params, outs, [[7, 8]] * len(params), gens, lp, top)
+            tokens.append(out.next_token_ids[pos])
+        runs.append(tokens)
+    assert all(r == runs[0] for r in runs[1:]), runs
+    assert len(set(runs[0])) > 1
 
 
 def test_different_seeds_give_different_sequences():
