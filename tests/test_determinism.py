@@ -175,19 +175,24 @@ async def _tokens(engine: Engine, ids: list[int], **params: object) -> list[int]
     return out
 
 
-def seeded_alone_and_beside(engine: Engine, prompts: list[list[int]], **params: object) -> tuple[list[int], list[int]]:
-    """The first prompt's tokens alone, then beside the other three (all arriving together), each time after a flush
-    and one request that caches the prompts' shared prefix (so the default backend's cascade paths are taken)."""
+def run_target(engine: Engine, prompts: list[list[int]], beside: bool, **params: object) -> list[int]:
+    """The first prompt's 32 tokens, alone or beside the other three (all arriving together), after a flush and one
+    request that caches the prompts' shared prefix (so the default backend's cascade paths are taken)."""
 
-    async def run(beside: bool) -> list[int]:
+    async def run() -> list[int]:
         assert await engine.flush_cache()
         await _tokens(engine, prompts[0][:SHARED_PREFIX] + [11], temperature=0.0, max_new_tokens=1)
         jobs = [_tokens(engine, prompts[0], max_new_tokens=32, **params)]
         if beside:
-            jobs += [_tokens(engine, p, temperature=0.7, max_new_tokens=36 + 4 * i) for i, p in enumerate(prompts[1:])]
+            jobs += [_tokens(engine, p, temperature=0.7, max_new_tokens=34 + 2 * i) for i, p in enumerate(prompts[1:])]
         return (await asyncio.gather(*jobs))[0]
 
-    return asyncio.run(run(False)), asyncio.run(run(True))
+    return asyncio.run(run())
+
+
+def seeded_alone_and_beside(engine: Engine, prompts: list[list[int]], **params: object) -> tuple[list[int], list[int]]:
+    """``run_target`` alone, then beside the others."""
+    return run_target(engine, prompts, False, **params), run_target(engine, prompts, True, **params)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -204,7 +209,7 @@ def test_seeded_request_alone_and_beside_three_others_gives_the_same_tokens(tiny
     engine.start()
     try:
         prompts = _prompts(engine.runner.model_config.vocab_size)
-        greedy_default = seeded_alone_and_beside(engine, prompts, temperature=0.0)[0]
+        greedy_default = run_target(engine, prompts, False, temperature=0.0)
         make_deterministic(engine.runner, monkeypatch)
         alone, beside = seeded_alone_and_beside(engine, prompts, temperature=0.8, seed=7)
         assert len(alone) == 32 and alone == beside
@@ -216,11 +221,11 @@ def test_seeded_request_alone_and_beside_three_others_gives_the_same_tokens(tiny
 
 @requires_model
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_real_model_seeded_request_alone_and_beside_three_others(dtype, monkeypatch):
-    """SmolLM2 chat prompts behind one ~130-token system prompt: with the flag, the seeded text (temperature 0.8,
+def test_real_model_seeded_request_alone_and_beside_three_others(monkeypatch):
+    """SmolLM2 chat prompts behind one ~130-token system prompt, the CPU's default dtype (bfloat16 where it is native:
+    there the default backend's text diverges beside the others): with the flag, the seeded text (temperature 0.8,
     seed 7) is the same alone and beside three other requests, and greedy text is what it is without the flag."""
-    engine = Engine(EngineArgs(model_path=MODEL_DIR, dtype=dtype, context_length=2048, max_total_tokens=8192))
+    engine = Engine(EngineArgs(model_path=MODEL_DIR, context_length=2048, max_total_tokens=8192))
     engine.start()
     try:
         system = "You are a concise assistant. " * 20
@@ -231,10 +236,10 @@ def test_real_model_seeded_request_alone_and_beside_three_others(dtype, monkeypa
             ids = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
         assert all(p[:SHARED_PREFIX] == prompts[0][:SHARED_PREFIX] for p in prompts)
-        greedy_default = seeded_alone_and_beside(engine, prompts, temperature=0.0)[0]
+        greedy_default = run_target(engine, prompts, False, temperature=0.0)
         make_deterministic(engine.runner, monkeypatch)
         alone, beside = seeded_alone_and_beside(engine, prompts, temperature=0.8, seed=7)
         assert alone == beside, (engine.tokenizer.decode(alone), engine.tokenizer.decode(beside))
-        assert seeded_alone_and_beside(engine, prompts, temperature=0.0)[0] == greedy_default
+        assert run_target(engine, prompts, False, temperature=0.0) == greedy_default
     finally:
         engine.shutdown()
