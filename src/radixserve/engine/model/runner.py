@@ -233,31 +233,33 @@ class ModelRunner:
     def warmup(self) -> None:
         """Warm-up forwards written to the dummy slot 0 (no usable slot is touched); with ``torch_compile`` they
         compile every graph the engine will use, so no request waits for a compile. Logs the start-up split."""
-        batches = [ForwardBatch.build(ForwardMode.EXTEND, [[0]], [[0]], device=self.device)]
-        if self.compiled is not None:  # the first compiles the one graph; the others check it serves each shape
-            batches = [
-                ForwardBatch.build(ForwardMode.EXTEND, [[0, 0, 0]] * 2, [[0, 0, 0]] * 2, device=self.device),
-                ForwardBatch.build(ForwardMode.DECODE, [[0]] * 2, [[0]] * 2, device=self.device),
-                ForwardBatch.build(ForwardMode.DECODE, [[0]], [[0]], device=self.device),
-            ]
+        if self.compiled is None:
+            first = self._timed_forwards([ForwardBatch.build(ForwardMode.EXTEND, [[0]], [[0]], device=self.device)])
+            logger.info(
+                "start-up: load %.1f s, compile 0.0 s, warm-up %.1f s (eager: torch.compile off)",
+                self.load_seconds,
+                first,
+            )
+            return
+        # the first batch compiles both layer graphs; the others check they serve decode and batch 1 unchanged
+        batches = [
+            ForwardBatch.build(ForwardMode.EXTEND, [[0, 0, 0]] * 2, [[0, 0, 0]] * 2, device=self.device),
+            ForwardBatch.build(ForwardMode.DECODE, [[0]] * 2, [[0]] * 2, device=self.device),
+            ForwardBatch.build(ForwardMode.DECODE, [[0]], [[0]], device=self.device),
+        ]
+        first = self._timed_forwards(batches)
+        warm = self._timed_forwards(batches)  # compiled by now: what is left of the first pass is the compile
+        logger.info(
+            "start-up: load %.1f s, compile %.1f s, warm-up %.1f s", self.load_seconds, max(0.0, first - warm), warm
+        )
+
+    def _timed_forwards(self, batches: list[ForwardBatch]) -> float:
+        """Seconds to run ``batches`` one after another (device work included)."""
         t0 = time.perf_counter()
         for batch in batches:
             self.forward(batch)
         self._sync()
-        first = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for batch in batches:
-            self.forward(batch)
-        self._sync()
-        warm = time.perf_counter() - t1
-        compile_s = max(0.0, first - warm) if self.compiled is not None else 0.0
-        logger.info(
-            "start-up: load %.1f s, compile %.1f s, warm-up %.1f s%s",
-            self.load_seconds,
-            compile_s,
-            warm if self.compiled is not None else first,
-            "" if self.compiled is not None else " (eager: torch.compile off)",
-        )
+        return time.perf_counter() - t0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
