@@ -41,7 +41,6 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,38 +53,19 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import VOCAB, cpu_info, free_port, make_log  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m-instruct")
 VLLM_PY = os.path.join(ROOT, ".peers", "vllm", "bin", "python")
 OUR_CLI = os.path.join(ROOT, ".venv", "bin", "radixserve")
 SERVERS = ("vllm", "engine", "stack")
 EXIT_BUSY = 3
-VOCAB = (
-    "policy customer account refund shipping order product warranty support escalate verify identity respond "
-    "politely concise accurate never promise always confirm details summary steps troubleshoot device network "
-    "reset password billing invoice schedule appointment language tone empathy"
-).split()
-
-
-def log(msg: str) -> None:
-    print(f"[bench/peers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = make_log("peers")
 
 
 # ---------------------------------------------------------------------------------------------------- machine + quiet
-
-
-def cpu_info() -> dict[str, Any]:
-    """CPU model, flags and usable cores from /proc/cpuinfo and the affinity mask."""
-    model, flags = "unknown", list[str]()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value.split()
-    isa = {k: k in flags for k in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")}
-    return {"cpu_model": model, "cores": len(os.sched_getaffinity(0)), "isa": isa, "flags": " ".join(flags)}
 
 
 def _proc_times(pid: int) -> tuple[int, int, int] | None:
@@ -258,27 +238,6 @@ def _ready(spec: ServerSpec, client: httpx.Client) -> bool:
         return spec.ready(client)
     except (httpx.HTTPError, ValueError):
         return False
-
-
-def free_port(consecutive: int = 1) -> int:
-    """A port p on 127.0.0.1 such that p .. p+consecutive-1 are free now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        socks = []
-        try:
-            for p in range(port, port + consecutive):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def vllm_dtype(arg: str, isa: dict[str, bool]) -> str:

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import VOCAB, free_port, make_log  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m-instruct")
@@ -57,21 +59,7 @@ TOPICS = [
     "typography",
     "cloud physics",
 ]
-VOCAB = (
-    "policy customer account refund shipping order product warranty support escalate verify identity respond "
-    "politely concise accurate never promise always confirm details summary steps troubleshoot device network "
-    "reset password billing invoice schedule appointment language tone empathy"
-).split()
-
-
-def log(msg: str) -> None:
-    print(f"[bench/router {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+log = make_log("router")
 
 
 def raise_nofile() -> None:

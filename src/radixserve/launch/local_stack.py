@@ -222,10 +222,17 @@ def check_ports_free(ports: list[tuple[str, int]]) -> None:
                 ) from e
 
 
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on, sorted (all of ``os.cpu_count()`` where affinity is not exposed)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def split_threads(total: int | None, engines: int) -> int:
     """Threads per engine: ``total`` (default: the CPUs this process may use) shared evenly, at least 1 each."""
     if total is None:
-        total = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        total = len(allowed_cpus())
     return max(1, total // engines)
 
 
@@ -235,8 +242,8 @@ def engine_cpu_sets(bind: str, engines: int, threads: int) -> list[str]:
     or an explicit list is passed to every engine unchanged."""
     if bind != "auto":
         return [bind] * engines
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if engines * threads > len(allowed):
+    allowed = allowed_cpus()
+    if engines * threads > len(allowed) or not hasattr(os, "sched_setaffinity"):
         return ["nobind"] * engines
     return [",".join(str(c) for c in allowed[i * threads : (i + 1) * threads]) for i in range(engines)]
 
