@@ -14,7 +14,7 @@ best of 5; a copy is printed too), and the ratio step / weight-read (issue 12's 
 cascade variant. ``--profile`` prints a cProfile of the timed decode steps of the largest batch (Python hot spots).
 
 Usage: ``.venv/bin/python bench/decode_step.py [--dtype auto] [--batches 1,8] [--steps 32] [--threads 2]
-[--torch-compile auto|on|off]``.
+[--torch-compile auto|on|off] [--weight-prepack on|off]``.
 """
 
 from __future__ import annotations
@@ -201,6 +201,9 @@ def main() -> None:
         default="auto",
         help="compiled forward: auto is the engine's default (on for CPU unless $RADIXSERVE_TORCH_COMPILE=0)",
     )
+    ap.add_argument(
+        "--weight-prepack", choices=["on", "off"], default="on", help="oneDNN-prepacked weights (the default) or not"
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile of the largest batch's timed steps")
     ap.add_argument("--attention-variants", action="store_true", help="also compare the attention decode variants")
     ap.add_argument("--attention-profile", action="store_true", help="torch profiler table of the cascade variant")
@@ -218,6 +221,7 @@ def main() -> None:
         num_threads=a.threads,
         context_length=2048,
         torch_compile=compile_choice,
+        weight_prepack=a.weight_prepack == "on",
     )
     runner.warmup()  # compiles every graph when compiled, so no timed step waits for a compile
     tok = load_tokenizer(a.model)
@@ -226,10 +230,14 @@ def main() -> None:
     # Bandwidth right after the decode steps, under the same load (the better of two rounds).
     read_bw, copy_bw = map(max, zip(memory_bandwidth(), memory_bandwidth()))
     weight_bytes = runner.weight_bytes()
+    if runner.model.lm_head_pack is not None:  # the tied LM head's packed copy is read per step, the embedding is not
+        embed = runner.model.model.embed_tokens.weight
+        weight_bytes -= embed.numel() * embed.element_size()
     weight_read_ms = 1e3 * weight_bytes / read_bw
     print(
         f"decode step split: context {a.ctx} ({a.shared} shared), {dtype}, {a.threads} threads, "
-        f"{'compiled' if runner.compiled is not None else 'eager'}, {a.steps} steps; ms per step"
+        f"{'compiled' if runner.compiled is not None else 'eager'}, "
+        f"{'prepacked' if runner.prepacked else 'dense'} weights, {a.steps} steps; ms per step"
     )
     print(
         f"memory bandwidth: read {read_bw / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s; weights "
@@ -246,6 +254,7 @@ def main() -> None:
         "dtype": dtype,
         "threads": a.threads,
         "compiled": runner.compiled is not None,
+        "prepacked": runner.prepacked,
         "ctx": a.ctx,
         "shared": a.shared,
         "read_gb_s": round(read_bw / 1e9, 2),

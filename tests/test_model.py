@@ -249,8 +249,8 @@ def test_tiny_hf_checkpoint_matches_transformers(name, tmp_path):
                 p.normal_(0, 0.5 if n.endswith("bias") else 0.2).add_(1.0 if "norm" in n else 0.0)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     ours = ModelRunner(str(tmp_path), dtype="float32", device="cpu", max_total_tokens=POOL_TOKENS)
-    if name.startswith("qwen2"):
-        assert ours.model_config.attention_bias and ours.model.model.layers[0].self_attn.qkv_proj.bias is not None
+    if name.startswith("qwen2"):  # the bias lives in the prepacked GEMM; a dropped one fails the logits below
+        assert ours.model_config.attention_bias
     ids = torch.randint(0, 160, (1, 140))  # past original_max_position_embeddings, so rope scaling matters
     with torch.inference_mode():
         ref = hf(ids).logits[0].float()  # [140, vocab]

@@ -51,6 +51,8 @@ class EngineArgs:
     disable_torch_compile: bool = False
     torch_compile_max_bs: int | None = None  # forwards of more sequences run eager; default: all compiled
     torch_compile_cache_dir: str | None = None  # default: ~/.cache/radixserve/torch-compile
+    # Projections and LM head prepacked for oneDNN on CPU (engine/model/prepack.py); this flag keeps F.linear.
+    disable_weight_prepack: bool = False
     # Batch-invariant logits (engine/model/batch_invariant.py, deterministic TorchBackend): a request's output
     # does not depend on the requests batched with it. Costs speed; see bench/README.md.
     enable_deterministic_inference: bool = False
@@ -153,6 +155,8 @@ HELP: dict[str, str] = {
     "$RADIXSERVE_CPU_OMP_THREADS_BIND)",
     "torch_compile_cache_dir": "where compile artifacts are kept (default: $RADIXSERVE_COMPILE_CACHE_DIR, else "
     "~/.cache/radixserve/torch-compile)",
+    "disable_weight_prepack": "keep dense weights and F.linear on CPU (for debugging; default: weights prepacked "
+    "for oneDNN where the CPU supports the dtype)",
     "enable_deterministic_inference": "batch-invariant inference (SGLang's flag): a request's logits, and so its "
     "seeded or greedy tokens, do not depend on the other requests in its batch (torch attention backend; slower)",
     "stream_interval": "tokens between streamed chunks",

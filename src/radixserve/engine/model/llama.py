@@ -12,13 +12,13 @@ map 1:1 apart from the fused shards.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.engine.model import attention_op
+from radixserve.engine.model import attention_op, prepack
 from radixserve.engine.model.batch_invariant import batch_invariant_linear
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.rope import RotaryEmbedding
@@ -49,12 +49,27 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` without gradients that can run batch-invariant (``batch_invariant_linear``) for
-    ``--enable-deterministic-inference``: then row ``i`` of the output depends only on row ``i`` of the input."""
+    """``nn.Linear`` without gradients, its GEMM dense (``F.linear``) or prepacked for oneDNN (``prepack.py``; after
+    ``prepack()`` the dense weight is gone), either of them batch-invariant (``batch_invariant.py``, for
+    ``--enable-deterministic-inference``: row ``i`` of the output depends only on row ``i`` of the input)."""
 
     batch_invariant = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pack_handle: torch.Tensor | None
+        self.register_buffer("pack_handle", None, persistent=False)
+
+    def prepack(self) -> None:
+        """Pack the weight for ``prepack.packed_linear`` and release the dense copy (call after loading)."""
+        self.pack_handle = prepack.pack_linear(self, self.weight, self.bias)
+        self.weight = nn.Parameter(self.weight.new_empty((0,)), requires_grad=False)
+        self.register_parameter("bias", None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pack_handle is not None:
+            out: torch.Tensor = prepack.packed_linear(x, self.pack_handle, self.out_features, self.batch_invariant)
+            return out
         if self.batch_invariant:
             return batch_invariant_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -186,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rope: RotaryEmbedding | None = None
         self.batch_invariant = False
+        self.lm_head_pack: torch.Tensor | None  # the tied LM head's packed copy (``prepack``)
+        self.register_buffer("lm_head_pack", None, persistent=False)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Every projection and the LM head batch-invariant (``--enable-deterministic-inference``) or not."""
@@ -193,6 +210,26 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.batch_invariant = on
+
+    def prepack(self) -> bool:
+        """Prepack every projection and the LM head for oneDNN (``prepack.py``) when the device and dtype allow it;
+        True when it did. A tied LM head is packed as a copy (the embedding lookup keeps the dense matrix)."""
+        weight = self.lm_head_weight()
+        if not prepack.prepack_supported(weight.dtype, weight.device):
+            return False
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepack()
+        if self.lm_head is None:
+            self.lm_head_pack = prepack.pack_linear(self, weight, None)
+        return True
+
+    def packed_bytes(self) -> int:
+        """Bytes held by prepacked weights (not counted by ``parameters()``)."""
+        handles = [m.pack_handle for m in self.modules() if isinstance(m, Linear) and m.pack_handle is not None]
+        if self.lm_head_pack is not None:
+            handles.append(self.lm_head_pack)
+        return sum(prepack.packed_bytes(h) for h in handles)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate (uninitialised) storage on ``device`` and build the RoPE cos/sin cache there."""
@@ -245,6 +282,13 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None, "a model has at least one layer"
         # row-wise from here on: pick the rows first, so the norm and the LM head run on [batch] rows only
         hidden, _ = self.model.norm.add_norm(hidden[logits_indices], residual[logits_indices])
+        if self.lm_head is not None:
+            return cast(torch.Tensor, self.lm_head(hidden)).float()
+        if self.lm_head_pack is not None:
+            packed: torch.Tensor = prepack.packed_linear(
+                hidden, self.lm_head_pack, self.config.vocab_size, self.batch_invariant
+            )
+            return packed.float()
         if self.batch_invariant:
             return batch_invariant_linear(hidden, self.lm_head_weight()).float()
         return F.linear(hidden, self.lm_head_weight()).float()

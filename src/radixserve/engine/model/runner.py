@@ -103,6 +103,8 @@ class ModelRunner:
             ``None``: ``default_torch_compile`` (on for CPU unless ``$RADIXSERVE_TORCH_COMPILE`` is ``0``).
         torch_compile_max_bs: forwards of more sequences run eager (``None``: all compiled).
         torch_compile_cache_dir: compile artifacts (default ``compile_cache_dir()``).
+        weight_prepack: prepack the projections and the LM head for oneDNN (``prepack.py``) where the device and
+            dtype allow it (CPU).
 
     Raises:
         ValueError: unsupported architecture / dtype / device / backend, a ``context_length`` above the model's
@@ -125,6 +127,7 @@ class ModelRunner:
         torch_compile: bool | None = False,
         torch_compile_max_bs: int | None = None,
         torch_compile_cache_dir: str | None = None,
+        weight_prepack: bool = True,
     ) -> None:
         if not os.path.exists(model_path):
             raise FileNotFoundError(model_path)
@@ -141,14 +144,16 @@ class ModelRunner:
             load_weights(self.model, model_path)
         self.model.eval()
         self.model.set_batch_invariant(deterministic)
+        self.prepacked = weight_prepack and self.model.prepack()
         self.load_seconds = time.perf_counter() - t0
         logger.info(
-            "loaded %s (%s, %s) on %s in %.1f s",
+            "loaded %s (%s, %s) on %s in %.1f s%s",
             model_path,
             cfg.architecture,
             self.dtype,
             self.device,
             self.load_seconds,
+            ", weights prepacked for oneDNN" if self.prepacked else "",
         )
         if max_total_tokens is not None and max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
@@ -197,7 +202,7 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         """Bytes of the loaded parameters and buffers (a tied embedding counted once)."""
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + self.model.packed_bytes()
 
     def _size_kv_pool(self, max_total_tokens: int | None, mem_fraction_static: float | None) -> PoolSize:
         """The pool from the flags and the memory after the load (``size_kv_pool``; raises its ValueError)."""
