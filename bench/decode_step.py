@@ -14,7 +14,7 @@ best of 5; a copy is printed too), and the ratio step / weight-read (issue 12's 
 cascade variant. ``--profile`` prints a cProfile of the timed decode steps of the largest batch (Python hot spots).
 
 Usage: ``.venv/bin/python bench/decode_step.py [--dtype auto] [--batches 1,8] [--steps 32] [--threads 2]
-[--torch-compile auto|on|off] [--weight-prepack on|off]``.
+[--torch-compile auto|on|off] [--weight-prepack auto|on|off]``.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def main() -> None:
         help="compiled forward: auto is the engine's default (on for CPU unless $RADIXSERVE_TORCH_COMPILE=0)",
     )
     ap.add_argument(
-        "--weight-prepack", choices=["on", "off"], default="on", help="oneDNN-prepacked weights (the default) or not"
+        "--weight-prepack", choices=["auto", "on", "off"], default="auto", help="auto: as the engine (bf16/fp16 packed)"
     )
     ap.add_argument("--profile", action="store_true", help="cProfile of the largest batch's timed steps")
     ap.add_argument("--attention-variants", action="store_true", help="also compare the attention decode variants")
@@ -221,7 +221,7 @@ def main() -> None:
         num_threads=a.threads,
         context_length=2048,
         torch_compile=compile_choice,
-        weight_prepack=a.weight_prepack == "on",
+        weight_prepack={"auto": None, "on": True, "off": False}[a.weight_prepack],
     )
     runner.warmup()  # compiles every graph when compiled, so no timed step waits for a compile
     tok = load_tokenizer(a.model)

@@ -82,7 +82,7 @@ def _greedy(runner: ModelRunner, prompt: list[int], n_new: int) -> tuple[list[in
 def test_a_prepacked_model_gives_the_dense_models_tokens(name, tmp_path):
     path = _tiny_dir(name, tmp_path)
     dense = ModelRunner(path, dtype="float32", device="cpu", max_total_tokens=256, weight_prepack=False)
-    packed = ModelRunner(path, dtype="float32", device="cpu", max_total_tokens=256)
+    packed = ModelRunner(path, dtype="float32", device="cpu", max_total_tokens=256, weight_prepack=True)
     assert packed.prepacked and not dense.prepacked
     linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.pack_handle is not None and m.weight.numel() == 0 for m in linears)
@@ -103,7 +103,9 @@ def test_deterministic_inference_keeps_prepacked_weights_batch_invariant(tmp_pat
     """With the flag the packed GEMMs run in fixed row chunks: a sequence's logits are the same bits alone and beside
     others (the prepacked path once ignored the flag, and the real model's seeded text changed beside others)."""
     path = _tiny_dir("mistral", tmp_path)
-    runner = ModelRunner(path, dtype="float32", device="cpu", max_total_tokens=256, deterministic=True)
+    runner = ModelRunner(
+        path, dtype="float32", device="cpu", max_total_tokens=256, deterministic=True, weight_prepack=True
+    )
     assert runner.prepacked and runner.model.batch_invariant
     assert all(m.pack_handle is not None and m.batch_invariant for m in runner.model.modules() if isinstance(m, Linear))
     gen = torch.Generator().manual_seed(3)
@@ -116,3 +118,13 @@ def test_deterministic_inference_keeps_prepacked_weights_batch_invariant(tmp_pat
         ForwardBatch.build(ForwardMode.EXTEND, [other, target], [list(range(20, 50)), list(range(60, 73))])
     )[1]
     assert torch.equal(alone, beside)
+
+
+def test_by_default_only_half_precision_is_prepacked(tmp_path):
+    """float32 stays dense unless asked (MKL's GEMV is faster at batch-1 decode, ``prepack_pays``); bfloat16 is
+    packed where oneDNN supports it."""
+    path = _tiny_dir("mistral", tmp_path)
+    assert not ModelRunner(path, dtype="float32", device="cpu", max_total_tokens=256).prepacked
+    bf16 = ModelRunner(path, dtype="bfloat16", device="cpu", max_total_tokens=256)
+    assert bf16.prepacked == prepack.prepack_supported(torch.bfloat16, CPU)
+    assert not ModelRunner(path, dtype="bfloat16", device="cpu", max_total_tokens=256, weight_prepack=False).prepacked

@@ -155,8 +155,8 @@ HELP: dict[str, str] = {
     "$RADIXSERVE_CPU_OMP_THREADS_BIND)",
     "torch_compile_cache_dir": "where compile artifacts are kept (default: $RADIXSERVE_COMPILE_CACHE_DIR, else "
     "~/.cache/radixserve/torch-compile)",
-    "disable_weight_prepack": "keep dense weights and F.linear on CPU (for debugging; default: weights prepacked "
-    "for oneDNN where the CPU supports the dtype)",
+    "disable_weight_prepack": "keep dense weights and F.linear on CPU (for debugging; default: bfloat16 / "
+    "float16 weights prepacked for oneDNN where the CPU supports them; float32 stays dense, MKL is faster there)",
     "enable_deterministic_inference": "batch-invariant inference (SGLang's flag): a request's logits, and so its "
     "seeded or greedy tokens, do not depend on the other requests in its batch (torch attention backend; slower)",
     "stream_interval": "tokens between streamed chunks",

@@ -211,11 +211,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear):
                 m.batch_invariant = on
 
-    def prepack(self) -> bool:
-        """Prepack every projection and the LM head for oneDNN (``prepack.py``) when the device and dtype allow it;
-        True when it did. A tied LM head is packed as a copy (the embedding lookup keeps the dense matrix)."""
+    def prepack(self, force: bool = False) -> bool:
+        """Prepack every projection and the LM head for oneDNN (``prepack.py``) where it pays (``prepack_pays``), or
+        with ``force`` wherever the device and dtype allow it; True when it did. A tied LM head is packed as a copy
+        (the embedding lookup keeps the dense matrix)."""
         weight = self.lm_head_weight()
-        if not prepack.prepack_supported(weight.dtype, weight.device):
+        wanted = prepack.prepack_supported if force else prepack.prepack_pays
+        if not wanted(weight.dtype, weight.device):
             return False
         for m in self.modules():
             if isinstance(m, Linear):

@@ -103,8 +103,8 @@ class ModelRunner:
             ``None``: ``default_torch_compile`` (on for CPU unless ``$RADIXSERVE_TORCH_COMPILE`` is ``0``).
         torch_compile_max_bs: forwards of more sequences run eager (``None``: all compiled).
         torch_compile_cache_dir: compile artifacts (default ``compile_cache_dir()``).
-        weight_prepack: prepack the projections and the LM head for oneDNN (``prepack.py``) where the device and
-            dtype allow it (CPU).
+        weight_prepack: prepack the projections and the LM head for oneDNN (``prepack.py``): ``None`` where it pays
+            (``prepack_pays``: bfloat16 / float16 on CPU), True wherever supported (float32 too), False never.
 
     Raises:
         ValueError: unsupported architecture / dtype / device / backend, a ``context_length`` above the model's
@@ -127,7 +127,7 @@ class ModelRunner:
         torch_compile: bool | None = False,
         torch_compile_max_bs: int | None = None,
         torch_compile_cache_dir: str | None = None,
-        weight_prepack: bool = True,
+        weight_prepack: bool | None = None,
     ) -> None:
         if not os.path.exists(model_path):
             raise FileNotFoundError(model_path)
@@ -144,7 +144,7 @@ class ModelRunner:
             load_weights(self.model, model_path)
         self.model.eval()
         self.model.set_batch_invariant(deterministic)
-        self.prepacked = weight_prepack and self.model.prepack()
+        self.prepacked = weight_prepack is not False and self.model.prepack(force=weight_prepack is True)
         self.load_seconds = time.perf_counter() - t0
         logger.info(
             "loaded %s (%s, %s) on %s in %.1f s%s",
