@@ -289,7 +289,12 @@ def test_warmup_can_be_turned_off():
 
 @pytest.mark.parametrize(
     "flags",
-    [["--engine-base-port", "65535"], ["--engine-base-port", "70000"], ["--engine-base-port", "0"], ["--engines", "0"]],
+    [
+        ["--engines", "2", "--engine-base-port", "65535"],
+        ["--engine-base-port", "70000"],
+        ["--engine-base-port", "0"],
+        ["--engines", "0"],
+    ],
 )
 def test_up_with_engine_ports_out_of_range_exits_2_naming_the_flag(flags, capsys):
     """Regression: ``up --engine-base-port 65535`` (two engines: 65535 and 65536) crashed with an OverflowError
@@ -305,4 +310,4 @@ def test_up_help_states_the_defaults_of_its_own_flags(capsys):
         main(["up", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "this port + i (default: 30000)" in out
-    assert "(default: prefix_hash)" in out and "(default: 2)" in out
+    assert "(default: prefix_hash)" in out and "(default: 1: on 2 cores" in out
