@@ -114,8 +114,10 @@ def make_deterministic(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch | No
     runner.attn_backend.deterministic = True
 
 
-def test_the_flag_reaches_every_projection_the_lm_head_and_the_attention(tiny_model):
-    runner = Engine(EngineArgs(model_path=tiny_model, device="cpu", enable_deterministic_inference=True)).runner
+def test_the_flag_reaches_every_projection_the_lm_head_and_the_attention(tiny_model, caplog):
+    with caplog.at_level("INFO", logger="radixserve.engine.model.runner"):
+        runner = Engine(EngineArgs(model_path=tiny_model, device="cpu", enable_deterministic_inference=True)).runner
+    assert "deterministic inference (batch-invariant GEMMs)" in caplog.text  # the log says the flag took effect
     assert runner.model.batch_invariant
     linears = [m for m in runner.model.modules() if isinstance(m, llama_mod.Linear)]
     assert linears and all(m.batch_invariant for m in linears)

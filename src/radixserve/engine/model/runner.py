@@ -147,13 +147,14 @@ class ModelRunner:
         self.prepacked = weight_prepack is not False and self.model.prepack(force=weight_prepack is True)
         self.load_seconds = time.perf_counter() - t0
         logger.info(
-            "loaded %s (%s, %s) on %s in %.1f s%s",
+            "loaded %s (%s, %s) on %s in %.1f s%s%s",
             model_path,
             cfg.architecture,
             self.dtype,
             self.device,
             self.load_seconds,
             ", weights prepacked for oneDNN" if self.prepacked else "",
+            ", deterministic inference (batch-invariant GEMMs)" if deterministic else "",
         )
         if max_total_tokens is not None and max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
