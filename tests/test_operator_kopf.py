@@ -519,7 +519,12 @@ async def test_status_follows_deployment_and_endpointslice_status_written_by_the
 
     await h.patch(ENGINE_DEP + "/status", {"status": {"readyReplicas": 0, "availableReplicas": 0}})
     await until(lambda: _reason(h, NAME, "Ready", "EnginesNotReady"), timeout=10, what="not Ready again")
-    assert any(e["reason"] == "NotReady" and e["type"] == "Warning" for e in await h.events())
+    # the event is posted after the status patch, on kopf's own time: wait for it (asserting at once was flaky in CI)
+
+    async def not_ready_event() -> bool:
+        return any(e["reason"] == "NotReady" and e["type"] == "Warning" for e in await h.events())
+
+    await until(not_ready_event, timeout=10, what="a NotReady Warning event")
 
 
 async def test_a_status_wiped_or_edited_by_someone_else_is_written_again(harness):
