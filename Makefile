@@ -43,8 +43,10 @@ $(MODEL_DIR)/config.json: $(VENV)/.installed
 run: install
 	$(VENV)/bin/radixserve up
 
+# Two xdist workers, each taking whole files (a module's real-model server loads once): the kopf, router and process
+# tests mostly wait, so they overlap the real-model tests on 2 cores. PYTEST_ARGS="-n 0" runs in one process.
 test: install
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # The inner loop: everything but the real-model/server tests and kopf against the emulator (a few minutes less).
 test-fast: install
