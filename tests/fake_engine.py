@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from radixserve.engine.config import EngineArgs
 from radixserve.engine.engine import parse_sampling_defaults
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, TokenLogprob
+from radixserve.engine.memory.cache_events import CacheEventLog
 from radixserve.engine.metrics import EngineMetrics
 
 MODEL_DIR = str(Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct")
@@ -56,6 +57,17 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.aborted_by_call: list[str] = []
         self.running: set[str] = set()
+        # GET /cache_events, /cache_snapshot, /load: a real event log (nothing writes it unless a test does) and
+        # a scripted load.
+        bt = self.args.cache_event_block_tokens
+        self.cache_events: CacheEventLog | None = CacheEventLog(self.served_model_name, bt) if bt else None
+        self.load: dict[str, int] = {
+            "queued_requests": 0,
+            "queued_prefill_tokens": 0,
+            "running_requests": 0,
+            "running_tokens": 0,
+            "max_total_tokens": 4096,
+        }
 
     # ---- lifecycle
     def start(self) -> None:
@@ -75,6 +87,9 @@ class FakeEngine:
 
     def abort(self, rid: str) -> None:
         self.aborted_by_call.append(rid)
+
+    def load_snapshot(self) -> dict[str, int]:
+        return dict(self.load)
 
     def model_info(self) -> dict[str, Any]:
         return {

@@ -44,6 +44,9 @@ class EngineArgs:
     chunked_prefill_size: int = 1024
     schedule_policy: str = "lpm"  # lpm | fcfs
     disable_radix_cache: bool = False
+    # Tokens per block of the radix cache's events (GET /cache_events, /cache_snapshot, POST /prefix_blocks;
+    # engine/memory/cache_events.py): the router's --block-tokens. 0: no events.
+    cache_event_block_tokens: int = 16
     attention_backend: str = "auto"  # auto | torch | flashinfer
     num_threads: int | None = None  # torch intra-op threads (CPU)
     # Compiled forward (engine/model/compile.py): on by default on CPU; --disable-torch-compile runs eager.
@@ -111,6 +114,7 @@ _MIN_INT = {
     "max_queued_requests": 1,
     "max_prefill_tokens": 1,
     "chunked_prefill_size": 1,
+    "cache_event_block_tokens": 0,
     "num_threads": 1,
     "torch_compile_max_bs": 1,
     "stream_interval": 1,
@@ -144,6 +148,8 @@ HELP: dict[str, str] = {
     "chunked_prefill_size": "prompt tokens per chunk of a long prefill",
     "schedule_policy": "waiting-queue order: lpm (longest prefix match first) or fcfs (arrival order)",
     "disable_radix_cache": "do not reuse cached prompt prefixes (the radix tree)",
+    "cache_event_block_tokens": "tokens per block of the radix cache's events for routers (GET /cache_events, GET "
+    "/cache_snapshot, POST /prefix_blocks); set it to the router's --block-tokens; 0 turns the events off",
     "attention_backend": "attention kernels (auto: flashinfer on CUDA when it imports, else torch)",
     "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
     "enable_torch_compile": "compile the forward with torch.compile (inductor) also on CUDA; on CPU it is the default",

@@ -21,6 +21,7 @@ from radixserve.engine.config import EngineArgs, torch_compile_choice
 from radixserve.engine.context_length import served_context, warn_if_too_short_for_chat
 from radixserve.engine.grammar.xgrammar_backend import GrammarBackend
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, SamplingParams
+from radixserve.engine.memory.cache_events import CacheEventLog
 from radixserve.engine.metrics import EngineMetrics
 from radixserve.engine.progress import quiet_library_progress_bars
 from radixserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -134,6 +135,12 @@ class Engine:
         # ``generate`` (the grammar queue) and reach the scheduler only once compiled.
         self.grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, metrics=self.metrics)
         self._grammar_queue = 0  # requests waiting for their grammar (event-loop threads; approximate)
+        # The radix cache's block events for routers (GET /cache_events); a new incarnation id at every start.
+        self.cache_events = (
+            CacheEventLog(self.served_model_name, args.cache_event_block_tokens)
+            if args.cache_event_block_tokens > 0 and not args.disable_radix_cache
+            else None
+        )
         self.scheduler = self._torch_thread.submit(
             Scheduler,
             self.runner,
@@ -151,6 +158,7 @@ class Engine:
             self.eos_token_ids,
             self._emit,
             self.metrics,
+            cache_events=self.cache_events,
         ).result()
         # rid -> (the caller's event loop, its queue of ReqOutput); callers may live on different loops (tests).
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[ReqOutput]]] = {}
@@ -206,6 +214,19 @@ class Engine:
     def num_queued(self) -> int:
         """Requests submitted but not yet running (any thread; approximate)."""
         return len(self.scheduler.waiting) + self.scheduler.inbox.qsize() + self._grammar_queue
+
+    def load_snapshot(self) -> dict[str, int]:
+        """The engine's load for routers (``GET /load``), any thread, O(1): the scheduler's latest ``LoadSnapshot``
+        (``scheduler/stats.py``; tokens are KV tokens) with ``queued_requests`` also counting requests submitted but
+        not yet taken in by the loop and those waiting for their grammar."""
+        snap = self.scheduler.load
+        return {
+            "queued_requests": snap.queued_requests + self.scheduler.inbox.qsize() + self._grammar_queue,
+            "queued_prefill_tokens": snap.queued_prefill_tokens,
+            "running_requests": snap.running_requests,
+            "running_tokens": snap.running_tokens,
+            "max_total_tokens": snap.max_total_tokens,
+        }
 
     # ----------------------------------------------------------------------------------------------------------
     def _emit(self, outputs: list[ReqOutput]) -> None:

@@ -9,29 +9,17 @@ SGLang's router do with raw text). Block hashes are chained (vLLM's prefix-cachi
 
 from __future__ import annotations
 
-import json
-import sys
-from array import array
-from hashlib import blake2b
 from typing import Any, Literal
 
+from radixserve.contracts.block_hash import as_int as _as_int
+from radixserve.contracts.block_hash import chain_packed, namespace_digest, pack_token_ids
+from radixserve.contracts.block_hash import digest as _digest
 from radixserve.router.types import PrefixKey
 
 Endpoint = Literal["chat", "completions", "generate"]
 
 # The engine's roles (engine/server/chat.py); anything else it answers with 400, so no key.
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-# 4-byte unsigned token ids: vocabularies stay far below 2**32.
-_ID_TYPECODE = "I" if array("I").itemsize == 4 else "L"
-_BIG_ENDIAN = sys.byteorder == "big"
-
-
-def _digest(data: bytes) -> bytes:
-    return blake2b(data, digest_size=8).digest()
-
-
-def _as_int(digest: bytes) -> int:
-    return int.from_bytes(digest, "little")
 
 
 def _flatten_content(content: Any) -> str | None:
@@ -221,12 +209,9 @@ class PrefixKeyExtractor:
     # ------------------------------------------------------------------------------------------------ hashing
 
     def _namespace(self, kind: str, model: str, salt: Any) -> bytes | None:
-        """``h_0``: model, cache salt and key kind, JSON-encoded so no two namespaces share bytes."""
-        try:
-            data = json.dumps([kind, model, salt], ensure_ascii=True, separators=(",", ":"), sort_keys=True)
-        except (TypeError, ValueError):
-            return None  # a cache_salt JSON cannot carry: not from a real client
-        return _digest(data.encode("ascii"))
+        """``h_0``: model, cache salt and key kind, JSON-encoded so no two namespaces share bytes (None for a
+        cache_salt JSON cannot carry: not from a real client). ``contracts/block_hash.py``, shared with the engine."""
+        return namespace_digest(kind, model, salt)
 
     def _key(
         self,
@@ -258,17 +243,11 @@ class PrefixKeyExtractor:
         bt = self.block_tokens
         n_full = min(len(ids) // bt, self.max_blocks)
         try:
-            packed = array(_ID_TYPECODE, ids)  # TypeError / OverflowError: not token ids (engine 400)
+            buf = pack_token_ids(ids)  # little-endian on every router replica
         except (TypeError, OverflowError):
-            return None
-        if _BIG_ENDIAN:
-            packed.byteswap()  # the same hashes on every router replica
-        buf = packed.tobytes()
+            return None  # not token ids (engine 400)
         step = 4 * bt
-        prev, blocks = h0, []
-        for off in range(0, n_full * step, step):
-            prev = _digest(prev + buf[off : off + step])
-            blocks.append(_as_int(prev))
+        blocks, prev = chain_packed(h0, buf, bt, n_full)
         tail = buf[n_full * step : (n_full + 1) * step]
         return self._key("tokens", model, blocks, prev, tail, len(ids) + estimated_extra_tokens, bt)
 

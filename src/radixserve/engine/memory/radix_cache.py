@@ -9,6 +9,12 @@ node and all its ancestors from eviction; unlocked leaves are evicted in LRU ord
 
 Slot ownership: every slot held by a node belongs to the tree and goes back to the allocator only through ``evict`` or
 ``reset``. ``evictable_size() + protected_size()`` always equals the number of slots held by the tree.
+
+Cache events (``cache_events.py``): with a ``CacheEventLog`` the tree names every full block of ``block_tokens``
+tokens on a root-to-node path by its chained hash (``contracts/block_hash.py``, the router's scheme) and publishes the
+blocks it starts or stops holding. A block that straddles a node boundary belongs to the node where it ends; each node
+keeps the hashes of its blocks (``TreeNode.blocks``) and the digest to chain its children on (``chain_tail``), so an
+``insert`` hashes only its new blocks (one blake2b each) and a split hashes nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.contracts.block_hash import as_digest, chain_packed, namespace_digest, pack_token_ids
 from radixserve.engine.memory.allocator import TokenSlotAllocator
+from radixserve.engine.memory.cache_events import CacheEventLog
 
 
 class TreeNode:
@@ -34,9 +42,25 @@ class TreeNode:
         lock_ref: number of locks held on this node or on a descendant (through ``inc_lock_ref``); > 0 = protected.
         last_access_time: value of the cache's monotonic counter at the last match/insert through this node.
         node_id: creation order, breaks LRU ties deterministically.
+        depth: tokens on the path from the root to the end of this edge (0 for the root).
+        blocks: with cache events, the wire hashes of the full blocks that end inside this edge (block ``j`` ends
+            at token ``(j + 1) * block_tokens`` of the path), in order; else empty.
+        chain_tail: with cache events, the digest of the last full block ending at or before ``depth`` (the
+            namespace digest ``h_0`` when there is none): what a child's first block chains on; else None.
     """
 
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access_time", "node_id")
+    __slots__ = (
+        "key",
+        "value",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access_time",
+        "node_id",
+        "depth",
+        "blocks",
+        "chain_tail",
+    )
 
     def __init__(
         self,
@@ -46,6 +70,7 @@ class TreeNode:
         node_id: int,
         last_access_time: int = 0,
         lock_ref: int = 0,
+        depth: int = 0,
     ):
         self.key = key
         self.value = value
@@ -54,6 +79,9 @@ class TreeNode:
         self.lock_ref = lock_ref
         self.last_access_time = last_access_time
         self.node_id = node_id
+        self.depth = depth
+        self.blocks: list[int] = []
+        self.chain_tail: bytes | None = None
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -101,14 +129,18 @@ class RadixCache:
         allocator: where evicted slots go back to.
         disable: no caching: ``match_prefix`` always misses (empty slots, the root), ``evict`` frees nothing, lock
             calls are no-ops on the root, and ``insert`` must not be called (the caller frees its slots itself).
+        events: where to publish the full blocks the tree starts (``insert``) and stops (``evict``, ``reset``)
+            holding, hashed in the namespace ``("tokens", events.model, None)``; None: no events, no hashing.
 
     Sizes (``evictable_size``, ``protected_size``) are kept incrementally: O(depth) per lock change, O(1) per split
     and insert.
     """
 
-    def __init__(self, allocator: TokenSlotAllocator, disable: bool = False):
+    def __init__(self, allocator: TokenSlotAllocator, disable: bool = False, events: CacheEventLog | None = None):
         self.allocator = allocator
         self.disable = disable
+        self.events = events
+        self._h0 = namespace_digest("tokens", events.model, None) if events is not None else None
         self._empty = torch.empty(0, dtype=torch.int64, device=allocator.device)
         self._ids = itertools.count()
         self._clock = itertools.count(1)
@@ -116,6 +148,7 @@ class RadixCache:
 
     def _init_tree(self) -> None:
         self.root = TreeNode([], self._empty, None, next(self._ids))
+        self.root.chain_tail = self._h0
         self._evictable = 0
         self._protected = 0
 
@@ -198,9 +231,12 @@ class RadixCache:
                     node,
                     next(self._ids),
                     last_access_time=now,
+                    depth=len(token_ids),
                 )
                 node.children[token_ids[pos]] = new
                 self._evictable += len(new.key)
+                if self.events is not None:
+                    self._hash_new_blocks(new, node, token_ids, pos)
                 break
             n = _common_prefix_len(child.key, token_ids, pos)
             if n < len(child.key):
@@ -248,10 +284,12 @@ class RadixCache:
         heap = [n for n in self._iter_nodes() if n.is_leaf() and n.lock_ref == 0 and n.parent is not None]
         heapq.heapify(heap)
         freed: list[torch.Tensor] = []
+        removed: list[int] = []
         num_freed = 0
         while num_freed < num_tokens and heap:
             node = heapq.heappop(heap)
             freed.append(node.value)
+            removed.extend(node.blocks)
             num_freed += len(node.key)
             self._evictable -= len(node.key)
             parent = node.parent
@@ -262,6 +300,8 @@ class RadixCache:
                 heapq.heappush(heap, parent)
         if freed:
             self.allocator.free(torch.cat(freed))
+        if self.events is not None:
+            self.events.removed(removed)
         return num_freed
 
     def reset(self) -> None:
@@ -276,6 +316,8 @@ class RadixCache:
         if values:
             self.allocator.free(torch.cat(values))
         self._init_tree()
+        if self.events is not None:
+            self.events.cleared()
 
     # ----------------------------------------------------------------------------------------------------------------
     # Debugging
@@ -302,11 +344,25 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    def _hash_new_blocks(self, new: TreeNode, parent: TreeNode, token_ids: list[int], start: int) -> None:
+        """Hash and publish the full blocks ending inside ``new``'s edge, ``token_ids[start:]`` under ``parent``
+        (``token_ids`` the whole path from the root): one blake2b per new block, chained on ``parent.chain_tail``."""
+        assert self.events is not None and parent.chain_tail is not None
+        bt = self.events.block_tokens
+        first = start // bt * bt  # where the block that ends first in this edge begins (maybe in an ancestor)
+        end = len(token_ids) // bt * bt
+        if end <= first:  # no block ends inside this edge
+            new.chain_tail = parent.chain_tail
+            return
+        new.blocks, new.chain_tail = chain_packed(parent.chain_tail, pack_token_ids(token_ids[first:end]), bt)
+        self.events.stored(new.blocks)
+
     def _split(self, child: TreeNode, pos: int) -> TreeNode:
         """Split ``child`` at ``pos`` (0 < pos < len(key)); return the new upper node holding ``key[:pos]``.
 
         The upper node inherits lock_ref and access time, so size accounting is unchanged and a lock held on
-        ``child`` keeps covering the same tokens.
+        ``child`` keeps covering the same tokens. Its block hashes are shared out by where each block ends (no
+        event: the tree holds the same blocks).
         """
         parent = child.parent
         assert parent is not None  # the root is never split
@@ -317,7 +373,13 @@ class RadixCache:
             next(self._ids),
             last_access_time=child.last_access_time,
             lock_ref=child.lock_ref,
+            depth=parent.depth + pos,
         )
+        if self.events is not None:
+            bt = self.events.block_tokens
+            k = upper.depth // bt - parent.depth // bt  # blocks ending inside the upper part
+            upper.blocks, child.blocks = child.blocks[:k], child.blocks[k:]
+            upper.chain_tail = as_digest(upper.blocks[-1]) if upper.blocks else parent.chain_tail
         parent.children[child.key[0]] = upper
         child.key = child.key[pos:]
         child.value = child.value[pos:]

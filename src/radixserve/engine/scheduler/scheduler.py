@@ -32,6 +32,7 @@ import torch
 
 from radixserve.engine.io_struct import GenerateRequest, ReqOutput
 from radixserve.engine.memory.allocator import ReqToTokenPool, TokenSlotAllocator
+from radixserve.engine.memory.cache_events import CacheEventLog
 from radixserve.engine.memory.no_prefix_cache import NoPrefixCache
 from radixserve.engine.memory.radix_cache import RadixCache
 from radixserve.engine.scheduler.batch import decode_batch, extend_batch
@@ -44,7 +45,7 @@ from radixserve.engine.scheduler.prefill import DECODE_RESERVE_CLIP, DECODE_RESE
 from radixserve.engine.scheduler.request import Req
 from radixserve.engine.scheduler.sample_step import BatchSampler
 from radixserve.engine.scheduler.seeds import sample_generator, sample_seed
-from radixserve.engine.scheduler.stats import DecodeSnapshot, DecodeStatsLog
+from radixserve.engine.scheduler.stats import DecodeSnapshot, DecodeStatsLog, LoadSnapshot
 from radixserve.engine.scheduler.timing import GrammarTiming, StepTiming
 
 # Re-exported: other modules and tests import these from here.
@@ -77,7 +78,9 @@ class Scheduler:
     """Owns the KV memory (allocator, req_to_token, prefix cache) and the model runner; produces ``ReqOutput``s.
 
     ``emit(outputs)`` is called from the scheduler thread once per step with every delta produced in that step.
-    Thread-safety: ``submit`` and ``abort`` may be called from any thread; everything else runs on the loop thread.
+    ``cache_events``: where the radix cache publishes its blocks (None: nowhere; ``NoPrefixCache`` publishes nothing).
+    Thread-safety: ``submit`` and ``abort`` may be called from any thread, ``load`` (a ``LoadSnapshot`` replaced
+    after every step) read from any; everything else runs on the loop thread.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class Scheduler:
         eos_token_ids: list[int],
         emit: Callable[[list[ReqOutput]], None],
         metrics: Any = None,
+        cache_events: CacheEventLog | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -102,7 +106,9 @@ class Scheduler:
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 2, config.context_length + 1)
         self.req_to_token = self.req_to_token_pool.req_to_token
         self.cache: PrefixCache = (
-            NoPrefixCache(self.allocator) if config.disable_radix_cache else RadixCache(self.allocator)
+            NoPrefixCache(self.allocator)
+            if config.disable_radix_cache
+            else RadixCache(self.allocator, events=cache_events)
         )
         self.kv = KVCacheManager(self.allocator, self.req_to_token_pool, self.cache)
         self.prefill = PrefillManager(config, self.kv, self._on_admit)
@@ -125,6 +131,7 @@ class Scheduler:
         self.grammar_timing = GrammarTiming({})
         self.step_timing = StepTiming()
         self.decode_stats = DecodeStatsLog(config.decode_log_interval)
+        self.load = LoadSnapshot(max_total_tokens=self.allocator.size)
 
     # ----------------------------------------------------------------------------------------------------------
     # the queues (read by the engine facade, tests and benches)
@@ -451,7 +458,23 @@ class Scheduler:
             max_total_tokens=self.allocator.size,
         )
 
+    def _update_load(self) -> None:
+        """Publish this step's ``LoadSnapshot`` (O(waiting requests))."""
+        chunked = self.prefill.chunked_req
+        waiting = self.prefill.waiting
+        queued_tokens = sum(r.seq_len - r.kv_len for r in waiting)
+        if chunked is not None:
+            queued_tokens += chunked.seq_len - chunked.kv_len
+        self.load = LoadSnapshot(
+            queued_requests=len(waiting),
+            queued_prefill_tokens=queued_tokens,
+            running_requests=len(self.decode.running) + (1 if chunked is not None else 0),
+            running_tokens=self.used_tokens() - self.cache.evictable_size(),
+            max_total_tokens=self.allocator.size,
+        )
+
     def _update_gauges(self) -> None:
+        self._update_load()
         m = self.metrics
         if m is None:
             return

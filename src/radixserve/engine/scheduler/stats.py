@@ -33,6 +33,28 @@ class DecodeSnapshot:
     max_total_tokens: int
 
 
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """The scheduler's load after its latest step (``GET /load``), published whole so any thread reads one step's
+    numbers. Requests count samples; tokens are KV tokens.
+
+    Attributes:
+        queued_requests: samples waiting for prefill (the scheduler's queue; the engine adds what is not in it yet).
+        queued_prefill_tokens: prompt (and, after a retraction, output) tokens of the waiting samples and of the
+            chunked prefill that have no KV yet. A waiting sample's cached prefix is only matched at admission, so
+            it counts in full: an upper bound of the prefill work ahead.
+        running_requests: samples decoding, plus the one being chunk-prefilled.
+        running_tokens: KV slots in use and not evictable (requests' own slots and the cache nodes they lock).
+        max_total_tokens: the KV pool's size.
+    """
+
+    queued_requests: int = 0
+    queued_prefill_tokens: int = 0
+    running_requests: int = 0
+    running_tokens: int = 0
+    max_total_tokens: int = 0
+
+
 def format_decode_line(snap: DecodeSnapshot, cache_hit_rate: float, gen_throughput: float) -> str:
     """The stats line; ``cache_hit_rate`` in [0, 1], ``gen_throughput`` in tokens per second."""
     usage = snap.used_tokens / max(snap.max_total_tokens, 1)

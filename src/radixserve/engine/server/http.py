@@ -2,7 +2,9 @@
 
 Routes: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``POST /flush_cache``,
-``POST /abort_request``, ``GET /metrics``, ``GET /get_tokenizer_files`` (for routers that key on token blocks). Every
+``POST /abort_request``, ``GET /metrics``, ``GET /get_tokenizer_files`` (for routers that key on token blocks),
+``GET /cache_events``, ``GET /cache_snapshot``, ``POST /prefix_blocks``, ``GET /load`` (the radix cache and the load
+for routers, ``cache_state.py``). Every
 error is the OpenAI error body (``radixserve.contracts.protocol.error_body``): validation errors are 400 (not
 FastAPI's 422), unexpected exceptions 500 without a traceback. A pure-ASGI middleware assigns and echoes
 ``x-request-id``, enforces the request body limit (413) and the optional bearer API key (401). The HTTP event loop
@@ -23,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
-from radixserve.contracts import constants
+from radixserve.contracts import block_hash, constants
 from radixserve.contracts.edge import BODY_SCOPE_KEY, EdgeMiddleware, error_response, http_exception_handler
 from radixserve.contracts.protocol import (
     ChatCompletionRequest,
@@ -33,6 +35,7 @@ from radixserve.contracts.protocol import (
     ModelList,
 )
 from radixserve.engine.io_struct import InvalidRequestError
+from radixserve.engine.server import cache_state
 from radixserve.engine.server.common import ServerContext
 from radixserve.engine.server.generation import ClientDisconnected
 from radixserve.engine.server.native import NativeServing
@@ -48,8 +51,15 @@ logger = logging.getLogger("radixserve.engine.server")
 # Probes and scrapes stay open when --api-key is set (Kubernetes and Prometheus carry no key), and out of the INFO
 # access log (the router and the kubelet probe every few seconds).
 _OPEN_PATHS = frozenset({constants.ENGINE_HEALTH_PATH, constants.ENGINE_HEALTH_GENERATE_PATH, "/metrics"})
-# The router re-reads /v1/models on every probe and the tokenizer files once per model.
-_PROBE_PATHS = _OPEN_PATHS | {constants.ENGINE_TOKENIZER_FILES_PATH, "/v1/models"}
+# The router re-reads /v1/models on every probe, the tokenizer files once per model, and polls the cache events and
+# the load.
+_PROBE_PATHS = _OPEN_PATHS | {
+    constants.ENGINE_TOKENIZER_FILES_PATH,
+    "/v1/models",
+    block_hash.ENGINE_CACHE_EVENTS_PATH,
+    block_hash.ENGINE_CACHE_SNAPSHOT_PATH,
+    block_hash.ENGINE_LOAD_PATH,
+}
 
 
 def create_app(engine: Engine, manage_engine: bool = True) -> FastAPI:
@@ -169,6 +179,22 @@ def create_app(engine: Engine, manage_engine: bool = True) -> FastAPI:
         if not tokenizer_files:
             return error_response("this engine's tokenizer cannot be served as text files", 404)
         return JSONResponse({"model": ctx.model_name, "files": tokenizer_files})
+
+    @app.get(block_hash.ENGINE_CACHE_EVENTS_PATH)
+    async def cache_events(request: Request) -> JSONResponse:
+        return JSONResponse(cache_state.cache_events_body(ctx, request.query_params.get("since")))
+
+    @app.get(block_hash.ENGINE_CACHE_SNAPSHOT_PATH)
+    async def cache_snapshot() -> JSONResponse:
+        return JSONResponse(cache_state.cache_snapshot_body(ctx))
+
+    @app.post(block_hash.ENGINE_PREFIX_BLOCKS_PATH)
+    async def prefix_blocks(body: dict[str, Any]) -> JSONResponse:
+        return JSONResponse(await cache_state.prefix_blocks_body(ctx, openai, native, body))
+
+    @app.get(block_hash.ENGINE_LOAD_PATH)
+    async def load() -> JSONResponse:
+        return JSONResponse(cache_state.load_body(ctx))
 
     @app.get("/metrics")
     async def metrics() -> Response:
