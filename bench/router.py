@@ -99,7 +99,7 @@ def process(argv: list[str], url: str, ready_path: str, logfile: str) -> Iterato
             proc.wait()
 
 
-def router_argv(port: int, workers: list[str], policy: str) -> list[str]:
+def router_argv(port: int, workers: list[str], policy: str, extra: tuple[str, ...] = ()) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -111,6 +111,7 @@ def router_argv(port: int, workers: list[str], policy: str) -> list[str]:
         policy,
         "--log-level",
         "warning",
+        *extra,
         "--worker-urls",
         *workers,
     ]
@@ -133,7 +134,9 @@ def make_conversations(n: int, system_tokens: int, turns: int, seed: int = 0) ->
     return convs
 
 
-async def one_turn(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> dict:
+async def one_turn(
+    client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, forced: bool = False
+) -> dict:
     body = {
         "model": MODEL,
         "messages": messages,
@@ -142,6 +145,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, messages: list[dict], ma
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if forced:
+        body["ignore_eos"] = True  # exactly max_tokens output tokens (SGLang's and vLLM's extra key)
     t0 = time.perf_counter()
     ttft = None
     text = []
@@ -211,6 +216,155 @@ async def run_workload(url: str, convs: list[dict], turns: int, max_tokens: int,
     }
 
 
+def summarize(results: list[dict], wall: float) -> dict:
+    """Hit rate (engines' cached tokens / prompt tokens), output tok/s, mean and p99 TTFT, reasons, engines used."""
+    prompt = sum(r["usage"]["prompt_tokens"] for r in results)
+    cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in results)
+    output = sum(r["usage"]["completion_tokens"] for r in results)
+    ttfts = sorted(r["ttft"] for r in results)
+    reasons: dict[str, int] = {}
+    workers: dict[str, int] = {}
+    for r in results:
+        reasons[str(r["reason"])] = reasons.get(str(r["reason"]), 0) + 1
+        workers[str(r["worker"])] = workers.get(str(r["worker"]), 0) + 1
+    return {
+        "hit_rate": round(cached / prompt, 4),
+        "output_tok_s": round(output / wall, 2),
+        "mean_ttft_s": round(statistics.mean(ttfts), 3),
+        "p99_ttft_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 3),
+        "wall_s": round(wall, 1),
+        "requests": len(results),
+        "reasons": reasons,
+        "per_engine": sorted(workers.values(), reverse=True),
+    }
+
+
+def system_prompt(rng: random.Random, tokens: int, tag: str) -> str:
+    words = " ".join(rng.choice(VOCAB) for _ in range(int(tokens / 1.3)))
+    return f"{tag} You are the support assistant of ACME Corp. Follow these rules: {words}"
+
+
+async def run_hot_prefix(urls: list[str], n: int, system_tokens: int, max_tokens: int, concurrency: int) -> dict:
+    """(c): ``n`` chats sharing one ~``system_tokens`` system prompt (fresh for every run), distinct ~30-token user
+    turns, ``max_tokens`` forced output tokens, ``concurrency`` at a time; requests alternate over ``urls``."""
+    rng = random.Random()
+    system = system_prompt(rng, system_tokens, f"[run {rng.getrandbits(48):012x}]")
+    sem = asyncio.Semaphore(concurrency)
+    results: list[dict] = []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
+
+        async def one(i: int) -> None:
+            user = f"Ticket {i}: " + " ".join(rng.choice(VOCAB) for _ in range(22))
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            async with sem:
+                results.append(await one_turn(client, urls[i % len(urls)], msgs, max_tokens, forced=True))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.perf_counter() - t0
+    return summarize(results, wall)
+
+
+async def run_mixed(
+    urls: list[str], hot: int, convs: int, turns: int, system_tokens: int, max_tokens: int, concurrency: int
+) -> dict:
+    """(d): ``hot`` single-turn chats sharing one hot system prompt (60% of the requests by default) and ``convs``
+    distinct ``turns``-turn conversations, each with its own system prompt (40%), all interleaved, ``concurrency``
+    at a time; request ``i`` goes to ``urls[i % len(urls)]`` (two routers: alternating)."""
+    rng = random.Random()
+    nonce = f"[run {rng.getrandbits(48):012x}]"
+    hot_system = system_prompt(rng, system_tokens, nonce)
+    sem = asyncio.Semaphore(concurrency)
+    results: list[dict] = []
+    counter = iter(range(10**9))
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
+
+        async def send(msgs: list[dict]) -> dict:
+            async with sem:
+                res = await one_turn(client, urls[next(counter) % len(urls)], msgs, max_tokens, forced=True)
+            results.append(res)
+            return res
+
+        async def hot_one(i: int) -> None:
+            await asyncio.sleep(0.05 * i)  # spread over the run, as the conversations are
+            user = f"Ticket {i}: " + " ".join(rng.choice(VOCAB) for _ in range(22))
+            await send([{"role": "system", "content": hot_system}, {"role": "user", "content": user}])
+
+        async def conversation(c: int) -> None:
+            system = system_prompt(rng, system_tokens // 2, f"{nonce} [conversation {c}]")
+            msgs = [{"role": "system", "content": system}]
+            for t in range(turns):
+                msgs.append({"role": "user", "content": f"Turn {t}: " + " ".join(rng.choice(VOCAB) for _ in range(16))})
+                res = await send(list(msgs))
+                msgs.append({"role": "assistant", "content": res["text"]})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(hot_one(i) for i in range(hot)), *(conversation(c) for c in range(convs)))
+        wall = time.perf_counter() - t0
+    return summarize(results, wall)
+
+
+def hot_prefix_bench(args: argparse.Namespace, tmp: str, urls: list[str]) -> dict:
+    """(c) and (d) against engines already running at ``urls`` (one thread each), caches flushed before each run."""
+    out: dict = {}
+    c = (args.hot_requests, args.hot_system_tokens, args.hot_max_tokens, args.concurrency)
+    flush(urls)
+    out["single_1thread"] = asyncio.run(run_hot_prefix(urls[:1], *c))
+    log(f"(c) one engine, one thread: {out['single_1thread']}")
+    flush(urls)
+    # The ceiling for any router: the requests split evenly over the engines by the client, no router in between.
+    out["ideal_split"] = asyncio.run(run_hot_prefix(urls, *c))
+    log(f"(c) {len(urls)} engines, requests alternated by the client (no router): {out['ideal_split']}")
+    variants = {"replicated": (), "no_replication": ("--hot-prefix-half-life-s", "0")}
+    for name, extra in variants.items():
+        flush(urls)
+        rport = free_port()
+        rurl = f"http://127.0.0.1:{rport}"
+        with process(
+            router_argv(rport, urls, "prefix_hash", extra), rurl, "/ready", os.path.join(tmp, f"c-{name}.log")
+        ):
+            out[f"stack_{name}"] = asyncio.run(run_hot_prefix([rurl], *c))
+        log(f"(c) stack, prefix_hash {name}: {out[f'stack_{name}']}")
+    single = out["single_1thread"]
+    out["ratios"] = {
+        f"{n}_vs_single_tok_s": round(out[n]["output_tok_s"] / single["output_tok_s"], 3)
+        for n in ("ideal_split", *(f"stack_{v}" for v in variants))
+    }
+
+    m = (args.mix_hot, args.mix_conversations, args.mix_turns, args.hot_system_tokens, args.hot_max_tokens)
+    mixed: dict = {}
+    runs = {
+        "prefix_hash": ("prefix_hash", ()),
+        "prefix_hash_no_replication": ("prefix_hash", ("--hot-prefix-half-life-s", "0")),
+        "least_load": ("least_load", ()),
+    }
+    for name, (policy, extra) in runs.items():
+        flush(urls)
+        rport = free_port()
+        rurl = f"http://127.0.0.1:{rport}"
+        with process(router_argv(rport, urls, policy, extra), rurl, "/ready", os.path.join(tmp, f"d-{name}.log")):
+            mixed[name] = asyncio.run(run_mixed([rurl], *m, args.concurrency))
+        log(f"(d) {name}: {mixed[name]}")
+    flush(urls)
+    ports = [free_port(), free_port()]
+    rurls = [f"http://127.0.0.1:{p}" for p in ports]
+    with (
+        process(router_argv(ports[0], urls, "prefix_hash"), rurls[0], "/ready", os.path.join(tmp, "d-r1.log")),
+        process(router_argv(ports[1], urls, "prefix_hash"), rurls[1], "/ready", os.path.join(tmp, "d-r2.log")),
+    ):
+        mixed["prefix_hash_2_routers"] = asyncio.run(run_mixed(rurls, *m, args.concurrency))
+    log(f"(d) prefix_hash, 2 routers: {mixed['prefix_hash_2_routers']}")
+    out["mixed"] = mixed
+    out["ratios"].update(
+        mixed_hit_vs_no_replication=round(
+            mixed["prefix_hash"]["hit_rate"] / mixed["prefix_hash_no_replication"]["hit_rate"], 3
+        ),
+        mixed_p99_ttft_vs_least_load=round(mixed["prefix_hash"]["p99_ttft_s"] / mixed["least_load"]["p99_ttft_s"], 3),
+        two_routers_hit_vs_one=round(mixed["prefix_hash_2_routers"]["hit_rate"] / mixed["prefix_hash"]["hit_rate"], 3),
+    )
+    return out
+
+
 def flush(urls: list[str]) -> None:
     for u in urls:
         r = httpx.post(u + "/flush_cache", timeout=60)
@@ -248,12 +402,14 @@ def workload_bench(args: argparse.Namespace, tmp: str) -> dict:
             wait_ready(url, "/health", proc)
         log(f"{args.engines} engines ready: {urls}")
 
-        flush(urls)
-        single = asyncio.run(run_workload(urls[0], convs, args.turns, args.max_tokens, args.concurrency))
-        out["single_engine_hit_rate"] = single["hit_rate"]
-        out["single_engine"] = single
-        log(f"single engine: {single}")
-        for policy in args.policies.split(","):
+        policies = [] if args.only_hot_prefix else args.policies.split(",")
+        if policies:
+            flush(urls)
+            single = asyncio.run(run_workload(urls[0], convs, args.turns, args.max_tokens, args.concurrency))
+            out["single_engine_hit_rate"] = single["hit_rate"]
+            out["single_engine"] = single
+            log(f"single engine: {single}")
+        for policy in policies:
             flush(urls)
             rport = free_port()
             rurl = f"http://127.0.0.1:{rport}"
@@ -261,6 +417,8 @@ def workload_bench(args: argparse.Namespace, tmp: str) -> dict:
                 res = asyncio.run(run_workload(rurl, convs, args.turns, args.max_tokens, args.concurrency))
             out["policies"][policy] = res
             log(f"{policy}: {res}")
+        if not args.skip_hot_prefix:
+            out["hot_prefix"] = hot_prefix_bench(args, tmp, urls)
     finally:
         for p in procs:
             p.terminate()
@@ -369,6 +527,14 @@ def main() -> None:
     p.add_argument("--overhead-rounds", type=int, default=10)
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--stream-chunk-ms", type=float, default=50.0)
+    p.add_argument("--hot-requests", type=int, default=32, help="(c): chats sharing one system prompt")
+    p.add_argument("--hot-system-tokens", type=int, default=800, help="(c), (d): hot system prompt tokens")
+    p.add_argument("--hot-max-tokens", type=int, default=64, help="(c), (d): forced output tokens")
+    p.add_argument("--mix-hot", type=int, default=48, help="(d): requests sharing the hot system prompt")
+    p.add_argument("--mix-conversations", type=int, default=8, help="(d): distinct conversations")
+    p.add_argument("--mix-turns", type=int, default=4, help="(d): turns per conversation")
+    p.add_argument("--skip-hot-prefix", action="store_true", help="skip (c) and (d)")
+    p.add_argument("--only-hot-prefix", action="store_true", help="run only (c) and (d) of the workloads")
     p.add_argument("--skip-workload", action="store_true")
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--log-dir", default=None, help="keep process logs here (default: a temporary directory)")

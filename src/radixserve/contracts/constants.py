@@ -57,7 +57,7 @@ HEADER_WORKER = "x-radixserve-worker"
 HEADER_ROUTE_REASON = "x-radixserve-route-reason"
 # Why the router picked an engine (header value and decisions_total label): it holds / owns the prompt's prefix, nobody
 # holds any of it yet, the preferred engine was over its load bound, an earlier choice failed, a load-only policy.
-ROUTE_REASONS = ("cache-affinity", "cold", "load-spill", "retry", "fallback")
+ROUTE_REASONS = ("cache-affinity", "cold", "hot-prefix", "load-spill", "retry", "fallback")
 
 # Engine endpoints
 ENGINE_HEALTH_PATH = "/health"
@@ -127,11 +127,14 @@ ROUTER_COUNTERS = (
     "ejections_total",
     "predicted_cached_tokens_total",
     "actual_cached_tokens_total",
+    "cacheable_tokens_total",
+    "cache_resyncs_total",  # labels: reason (start, gap, incarnation, seq)
 )
 ROUTER_GAUGES = (
     "worker_inflight_requests",  # labels: worker
     "worker_inflight_tokens",  # labels: worker
     "discovery_age_seconds",
+    "worker_cache_state",  # labels: worker, state (ROUTER_CACHE_STATES); 1 for the worker's state, else 0
 )
 ROUTER_HISTOGRAMS = ("request_duration_seconds", "ttft_seconds")
 
@@ -157,3 +160,6 @@ ROUTER_HEALTH_PATH = "/health"
 ROUTER_LIVE_PATH = "/live"  # 200 while the router process serves; no engine state (Kubernetes router probes)
 # A router worker's state, in /health and the logs: pending (not admitted yet), healthy, ejected, probing (on trial).
 ROUTER_WORKER_STATES = ("pending", "healthy", "ejected", "probing")
+# A router worker's cache state, in /health and radixserve_router_worker_cache_state: exact (following the engine's
+# cache events, parity ok), degraded (predicted: no events, or parity failed), unknown (not synced, unreachable).
+ROUTER_CACHE_STATES = ("exact", "degraded", "unknown")

@@ -30,6 +30,8 @@ from radixserve.contracts.edge import EdgeMiddleware, http_exception_handler
 from radixserve.contracts.edge import error_response as _error_response
 from radixserve.contracts.protocol import ModelCard
 from radixserve.contracts.serving import raise_open_files_limit, serve
+from radixserve.router.cache_state import CacheStateTracker
+from radixserve.router.cache_state import attach as attach_cache_oracle
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.proxy import Kind, Proxy
@@ -118,6 +120,8 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         load_factor=args.load_factor,
         balance_abs_tokens=args.balance_abs_tokens,
         cache_threshold=args.cache_threshold,
+        hot_prefix_half_life_s=args.hot_prefix_half_life_s,
+        prefix_blocks=args.prefix_blocks,
     )
     extractor = PrefixKeyExtractor(
         block_tokens=args.block_tokens, block_chars=args.block_chars, prefix_blocks=args.prefix_blocks
@@ -138,6 +142,17 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
         trust_env=False,
     )
     pool = WorkerPool(args, policy, extractor, metrics, control)
+    # Engine-reported caches (cache_state.py): the policy's matches for workers whose block hashes are verified.
+    cache = CacheStateTracker(
+        pool,
+        extractor,
+        metrics,
+        None,
+        interval_s=args.cache_events_interval_s,
+        parity_interval_s=args.cache_parity_interval_s,
+        engine_api_key=args.engine_api_key,
+    )
+    attach_cache_oracle(policy, cache)
     proxy = Proxy(args, pool, policy, extractor, metrics, transport, timeout)
     readiness = ReadyAnnouncer(pool, args.host, args.port)
 
@@ -148,6 +163,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.loop = asyncio.get_running_loop()  # for signal handlers (run_router's Server.handle_exit)
         await pool.start()
+        await cache.start()
         await discovery.start(on_change)
         logger.info("router up: policy %s, discovery %s", args.policy, discovery.kind)
         if pool.workers:  # so "Uvicorn running" below is not taken for "ready"
@@ -159,6 +175,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
             announcing.cancel()
             with contextlib.suppress(Exception):
                 await discovery.stop()
+            await cache.stop()
             await pool.stop()
             await client.aclose()
             await control.aclose()
@@ -167,6 +184,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     app.state.pool, app.state.proxy, app.state.metrics, app.state.client = pool, proxy, metrics, client
     app.state.policy, app.state.extractor, app.state.discovery = policy, extractor, discovery
     app.state.readiness = readiness
+    app.state.cache_state = cache
 
     def count_edge_reply(status: int) -> None:
         proxy._count("unknown", status)
@@ -252,7 +270,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
                 },
                 "routable_workers": len(pool.routable(None)),
                 "prefix_keys": {m: ("tokens" if extractor.has_tokenizer(m) else "chars") for m in pool.models()},
-                "workers": [w.describe() for w in pool.workers.values()],
+                "workers": [{**w.describe(), **cache.describe(w.url)} for w in pool.workers.values()],
             },
             status_code=503 if status == "unavailable" else 200,
             headers={"retry-after": str(proxy.unroutable(None).retry_after_s)} if status == "unavailable" else None,

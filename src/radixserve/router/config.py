@@ -51,11 +51,15 @@ class RouterArgs:
     upstream_transport: str = "aiohttp"  # aiohttp (faster pool under the httpx API) | httpx
     balance_abs_tokens: int = 2048  # ...once it carries this many more tokens in flight than the least loaded one
     cache_threshold: float = 0.5  # a predicted match is cache affinity from this fraction of the prompt's blocks on
+    hot_prefix_half_life_s: float = 10.0  # hot-prefix replication: demand half-life; 0 = off
+    cache_events_interval_s: float = 0.5  # poll each engine's cache events and load this often; 0 = off
+    cache_parity_interval_s: float = 60.0  # re-check each engine's block-hash parity this often; 0 = at admission only
     virtual_nodes: int = 256  # ring points per worker
     default_max_tokens: int = 256  # cost estimate of a request that sets no max tokens
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 600.0  # the longest wait for the next byte from an engine
-    max_retries: int = 2  # extra attempts on connect errors / 503 before the first byte
+    engine_stall_timeout_s: float = 30.0  # the longest a request waits on an engine that stopped answering its probes
+    max_retries: int = 2  # extra attempts on connect errors / drops / stalls / 503 before the first byte
     health_interval_s: float = 5.0
     pending_probe_interval_s: float = 0.5  # probe a worker not admitted yet (still loading) this often
     eject_after_failures: int = 3
@@ -99,6 +103,7 @@ class RouterArgs:
         for name in (
             "connect_timeout_s",
             "request_timeout_s",
+            "engine_stall_timeout_s",
             "health_interval_s",
             "pending_probe_interval_s",
             "discovery_relist_s",
@@ -114,6 +119,11 @@ class RouterArgs:
             raise RouterConfigError(f"--upstream-transport must be aiohttp or httpx, got {self.upstream_transport!r}")
         if self.balance_abs_tokens < 0:
             raise RouterConfigError(f"--balance-abs-tokens must be >= 0, got {self.balance_abs_tokens}")
+        if self.hot_prefix_half_life_s < 0:
+            raise RouterConfigError(f"--hot-prefix-half-life-s must be >= 0, got {self.hot_prefix_half_life_s}")
+        for name in ("cache_events_interval_s", "cache_parity_interval_s"):
+            if not getattr(self, name) >= 0:
+                raise RouterConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise RouterConfigError(f"--cache-threshold must be between 0 and 1, got {self.cache_threshold}")
         if not self.load_factor >= 1.0:
@@ -149,11 +159,20 @@ HELP: dict[str, str] = {
     "cache_threshold": "prefix_hash: an engine predicted to hold at least this fraction of a prompt's prefix blocks "
     "gets it for its cache (cache-affinity); below, the prompt goes to its key's owner on the ring (cold), as "
     "sgl-router's --cache-threshold; 0 = any match",
+    "hot_prefix_half_life_s": "prefix_hash: seconds for a prefix group's demand to halve; a group with more than one "
+    "engine's fair share of the demand is replicated on the next engines of its ring walk (0 = never replicate)",
+    "cache_events_interval_s": "seconds between polls of each engine's cache events and load (GET /cache_events, "
+    "/load): engines whose block hashes match the router's are routed on what they hold (0 = off: predict only)",
+    "cache_parity_interval_s": "seconds between checks that an engine hashes prompts as the router does (POST "
+    "/prefix_blocks; 0 = at admission and engine restarts only)",
     "virtual_nodes": "hash-ring points per worker",
     "default_max_tokens": "cost estimate (tokens) of a request that sets no max tokens",
     "connect_timeout_s": "seconds to connect to an engine",
     "request_timeout_s": "longest wait in seconds for the next byte from an engine",
-    "max_retries": "extra attempts on connect errors / 503 before the first byte",
+    "engine_stall_timeout_s": "longest time in seconds a request waits on an engine whose health probes fail or time "
+    "out (frozen, hung): a request that has sent the client no byte yet is then retried on the next engine, a stream "
+    "under way ends with an error event and [DONE]; an engine that answers its probes is never cut off",
+    "max_retries": "extra attempts on connect errors, dropped connections, stalled engines, 503 before the first byte",
     "health_interval_s": "seconds between health probes of each worker",
     "pending_probe_interval_s": "seconds between probes of a worker not admitted yet (still loading)",
     "eject_after_failures": "consecutive failures that eject a worker",

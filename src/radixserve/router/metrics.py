@@ -1,10 +1,12 @@
 """The router's Prometheus metrics, in a registry of its own (names from ``radixserve.contracts.constants``).
 
 Counters: ``requests_total{model,code}``, ``decisions_total{reason}``, ``retries_total``, ``ejections_total``,
-``predicted_cached_tokens_total``, ``actual_cached_tokens_total``. Gauges: ``worker_inflight_requests{worker}``,
-``worker_inflight_tokens{worker}``, ``discovery_age_seconds`` (read at scrape time). Histograms (seconds):
-``request_duration_seconds``, ``ttft_seconds``. All carry the ``radixserve_router_`` prefix; docs/contracts.md lists
-them. The registry also holds the process metrics (``process_*``, ``python_info``); no ``*_created`` series.
+``predicted_cached_tokens_total``, ``actual_cached_tokens_total``, ``cacheable_tokens_total``,
+``cache_resyncs_total{reason}``. Gauges: ``worker_inflight_requests{worker}``, ``worker_inflight_tokens{worker}``,
+``discovery_age_seconds`` (read at scrape time), ``worker_cache_state{worker,state}`` (``cache_state.py``).
+Histograms (seconds): ``request_duration_seconds``, ``ttft_seconds``. All carry the ``radixserve_router_`` prefix;
+docs/contracts.md lists them. The registry also holds the process metrics (``process_*``, ``python_info``); no
+``*_created`` series.
 """
 
 from __future__ import annotations
@@ -46,6 +48,23 @@ class RouterMetrics:
         )
         self.actual_cached = Counter(
             P + "actual_cached_tokens_total", "Prompt tokens the engines reported as cached", registry=r
+        )
+        self.cacheable = Counter(
+            P + "cacheable_tokens_total",
+            "Prompt tokens some routable worker held (or was predicted to) when the request was routed",
+            registry=r,
+        )
+        self.cache_resyncs = Counter(
+            P + "cache_resyncs_total",
+            "Cache views reloaded from an engine's snapshot, by reason (start, gap, incarnation, seq)",
+            ["reason"],
+            registry=r,
+        )
+        self.worker_cache_state = Gauge(
+            P + "worker_cache_state",
+            "1 for each worker's cache state (exact, degraded, unknown), 0 for the others",
+            ["worker", "state"],
+            registry=r,
         )
         self.inflight_requests = Gauge(
             P + "worker_inflight_requests", "Requests in flight per worker", ["worker"], registry=r

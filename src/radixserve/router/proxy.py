@@ -22,6 +22,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import httpx
@@ -33,6 +34,7 @@ from radixserve.contracts.json_body import CONTENT_TYPE_MESSAGE, is_json_content
 from radixserve.contracts.protocol import error_body, random_id
 from radixserve.contracts.sse import SSE_DONE, sse_error
 from radixserve.router.breaker import failure_reason, status_reason
+from radixserve.router.cache_state import cacheable_tokens
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.types import PrefixKey, RouteDecision, RoutingPolicy
@@ -91,6 +93,8 @@ class Proxy:
         self._requests_children: dict[tuple[str, int], Any] = {}
         self._decision_children = {r: metrics.decisions.labels(r) for r in constants.ROUTE_REASONS}
         self._active: set[asyncio.Task[Any]] = set()  # tasks relaying a request (ended early on shutdown)
+        self._on_worker: dict[str, set[_Relay]] = {}  # worker URL -> the requests waiting on it (moved on a stall)
+        pool.on_stall = self.abandon_stalled
         self.shutting_down = False
 
     def begin_shutdown(self) -> None:
@@ -100,6 +104,28 @@ class Proxy:
         self.shutting_down = True
         for task in list(self._active):
             task.cancel()
+
+    def abandon_stalled(self, w: WorkerState, why: str) -> None:
+        """``w`` stopped answering its probes for ``engine_stall_timeout_s`` (``WorkerPool.on_stall``): every request
+        waiting on it gives it up (its connection closed, so the engine aborts the request once it runs again). One
+        that has sent the client nothing yet is retried on its next candidate; a stream under way ends with an SSE
+        error event and ``[DONE]``."""
+        relays = [r for r in self._on_worker.get(w.url, ()) if r.abandoned is None]
+        if not relays:
+            return
+        logger.warning("worker %s stalled: %s; giving up %d request(s) on it", w.url, why, len(relays))
+        for r in relays:
+            r.abandon(why)
+
+    def _watch(self, relay: _Relay, w: WorkerState) -> None:
+        self._on_worker.setdefault(w.url, set()).add(relay)
+
+    def _unwatch(self, relay: _Relay, w: WorkerState) -> None:
+        waiting = self._on_worker.get(w.url)
+        if waiting is not None:
+            waiting.discard(relay)
+            if not waiting:
+                del self._on_worker[w.url]
 
     def endpoint(self, kind: Kind, path: str) -> _Endpoint:
         """The ASGI app serving ``POST path`` as ``kind``."""
@@ -301,18 +327,37 @@ class _Relay:
         self.counted = False  # an error reply already counted the request
         self.started = False  # the response start was sent
         self.sse = False  # ...and it is an event stream
+        self.task: asyncio.Task[Any] | None = None  # the task serving this request (set by run)
+        self.left = False  # the client disconnected
+        self.abandoned: str | None = None  # why the worker was given up on (a stall), set by ``abandon``
+        self._chunks: AsyncIterator[bytes] | None = None  # the stream's body iterator once its first chunk is read
+
+    def abandon(self, reason: str) -> None:
+        """The worker this request waits on stalled (``WorkerPool.on_stall``): cancel the wait there; the request
+        moves to the next candidate when it has sent the client nothing, else its stream ends with an error event."""
+        if self.abandoned is None and self.task is not None and not self.task.done():
+            self.abandoned = reason
+            self.task.cancel()
+
+    def _take_abandon(self) -> str | None:
+        """After a CancelledError: the stall reason when ``abandon`` caused it (and not a client that left or a
+        shutdown, which win), the cancellation then undone; else None (re-raise)."""
+        reason, self.abandoned = self.abandoned, None
+        if reason is None or self.left or self.p.shutting_down or self.task is None:
+            return None
+        self.task.uncancel()
+        return reason
 
     async def run(self, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        left = False
+        self.task = task
 
         async def watch_disconnect() -> None:
-            nonlocal left
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    left = True
+                    self.left = True
                     task.cancel()
                     return
 
@@ -321,7 +366,7 @@ class _Relay:
         try:
             await self._dispatch_and_relay(send)
         except asyncio.CancelledError:
-            if left:
+            if self.left:
                 task.uncancel()
                 self.code = 499
             elif self.p.shutting_down:
@@ -357,6 +402,9 @@ class _Relay:
 
     async def _close(self) -> None:
         resp, self.resp = self.resp, None
+        self._chunks = None
+        if self.worker is not None:
+            self.p._unwatch(self, self.worker)  # first: no stall cancels this request while it closes
         try:
             if resp is not None:
                 await resp.aclose()  # unread body: httpx drops the connection, the engine sees the disconnect
@@ -368,21 +416,48 @@ class _Relay:
     async def _dispatch_and_relay(self, send: Send) -> None:
         p = self.p
         by_url = {w.url: w for w in self.workers}
+        # What any routable worker holds of this prompt, before this request's own dispatch is recorded.
+        cacheable = cacheable_tokens(p.policy, self.key, by_url)
         attempts = min(len(self.ranked), 1 + p.args.max_retries)
         last_error = "no candidate"
         decision: RouteDecision | None = None
         reason = "fallback"
-        for i in range(attempts):
-            decision = self.ranked[i]
-            w = by_url[decision.worker]
-            reason = decision.reason if i == 0 else "retry"
-            if i > 0:
+        first: bytes | None = None  # a stream's first chunk, read before the client gets any byte
+        tried = 0
+        answered = False
+        for candidate in self.ranked:
+            if tried == attempts:
+                break
+            w = by_url[candidate.worker]
+            if tried > 0 and (w.removed or not w.breaker.routable):
+                continue  # ejected or gone since the request was ranked: not worth an attempt
+            decision = candidate
+            reason = decision.reason if tried == 0 else "retry"
+            if tried > 0:
                 p.metrics.retries.inc()
+            tried += 1
             self.tokens = max(0, self.prompt_tokens - decision.predicted_cached_tokens) + self.out_tokens
             self.worker = w
             p.pool.acquire(w, self.tokens)
+            p._watch(self, w)
+            if self.key is not None:
+                # Recorded at dispatch, not at the answer: a burst sharing a cold prefix follows this request to
+                # the engine that is prefilling it (a non-streaming answer starts only when it is done).
+                p.policy.record(w.url, self.key)
             try:
                 resp = await self._send(w)
+                self.resp = resp
+                if resp.status_code == 200 and resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    # The client gets the stream's headers with its first event: until then a stall or a drop moves
+                    # the stream to the next engine, as for a request not answered yet.
+                    first = await self._first_chunk(resp)
+            except asyncio.CancelledError:
+                why = self._take_abandon()
+                if why is None:
+                    raise
+                last_error = f"{w.url}: stalled, {why}"
+                await self._close()
+                continue
             except _Dropped as e:
                 last_error = f"{w.url}: {e}"
                 p.pool.record_failure(w, f"{e} on POST {self.path}")
@@ -400,17 +475,25 @@ class _Relay:
                 await p._error(send, 502, f"the engine {w.url} failed: {type(e).__name__}", self.model, worker=w.url)
                 self.counted = True
                 return
-            self.resp = resp
             if resp.status_code >= 500:
                 p.pool.record_failure(w, status_reason(resp.status_code, "POST", self.path))
-                if resp.status_code == 503 and i + 1 < attempts:
+                if resp.status_code == 503 and tried < attempts:
                     last_error = f"{w.url}: answered 503"
+                    await self._close()
+                    continue
+            elif resp.status_code == 404 and self.model in w.models:
+                # The engine does not serve the model it listed: restarted with another one at the same URL. Re-read
+                # its models now and try an engine still serving it; the last candidate's 404 goes to the client.
+                p.pool.reprobe(w)
+                if tried < attempts:
+                    last_error = f"{w.url}: does not serve {self.model} any more"
                     await self._close()
                     continue
             else:
                 p.pool.record_success(w)
+            answered = True
             break
-        else:
+        if not answered:
             await p._error(send, 503, f"no engine could take the request (last error: {last_error})", self.model)
             self.counted = True
             return
@@ -418,12 +501,23 @@ class _Relay:
         assert decision is not None and self.resp is not None
         resp = self.resp
         if resp.status_code < 400:
-            if self.key is not None:
-                p.policy.record(decision.worker, self.key)
             p._decision_children[reason].inc()
             if decision.predicted_cached_tokens:
                 p.metrics.predicted_cached.inc(decision.predicted_cached_tokens)
-        await self._relay(send, resp, decision.worker, reason)
+            if cacheable:
+                p.metrics.cacheable.inc(cacheable)
+        await self._relay(send, resp, decision.worker, reason, first)
+
+    async def _first_chunk(self, resp: httpx.Response) -> bytes:
+        """A stream's first chunk (b"" for an empty stream); ``_relay_sse`` goes on with the same iterator. A
+        connection dropped before it is ``_Dropped`` (retried); a read timeout raises as in ``_send``."""
+        self._chunks = chunks = resp.aiter_raw()
+        try:
+            return await chunks.__anext__()
+        except StopAsyncIteration:
+            return b""
+        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+            raise _Dropped(f"{failure_reason(e)} before the first event") from e
 
     async def _send(self, w: WorkerState) -> httpx.Response:
         p = self.p
@@ -443,7 +537,7 @@ class _Relay:
             # answered, so the next candidate may serve it.
             raise _Dropped(failure_reason(e)) from e
 
-    async def _relay(self, send: Send, resp: httpx.Response, worker: str, reason: str) -> None:
+    async def _relay(self, send: Send, resp: httpx.Response, worker: str, reason: str, first: bytes | None) -> None:
         ctype = resp.headers.get("content-type", "")
         sse = ctype.startswith("text/event-stream")
         out = [(k.encode(), v.encode("latin-1")) for k, v in resp.headers.items() if k in _RELAYED]
@@ -455,12 +549,12 @@ class _Relay:
         out.append((_H_REASON, reason.encode()))
         self.code = resp.status_code
         self.sse = sse
-        await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
-        self.started = True
         ok = resp.status_code == 200
         try:
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
+            self.started = True
             if sse:
-                await self._relay_sse(send, resp, ok)
+                await self._relay_sse(send, resp, ok, first)
             else:
                 parts: list[bytes] = []
                 async for chunk in resp.aiter_raw():
@@ -483,16 +577,43 @@ class _Relay:
                         "body": sse_error(f"the engine {worker} failed mid-response", 502) + SSE_DONE,
                     }
                 )
+        except asyncio.CancelledError:
+            why = self._take_abandon()
+            if why is None:
+                raise
+            # Stalled mid-response (frozen, or its scheduler dead) for engine_stall_timeout_s: a stream ends with an
+            # error event (a non-streaming answer already begun can only be cut short).
+            logger.warning("engine %s stalled mid-response: %s", worker, why)
+            if not self.started:
+                await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
+                self.started = True
+            if sse:
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": True,
+                        "body": sse_error(f"the engine {worker} stopped responding mid-response", 504) + SSE_DONE,
+                    }
+                )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _relay_sse(self, send: Send, resp: httpx.Response, ok: bool) -> None:
+    async def _relay_sse(self, send: Send, resp: httpx.Response, ok: bool, first_chunk: bytes | None) -> None:
         metrics = self.p.metrics
         strip = self.strip_usage
         native = self.kind == "generate"
         cached: dict[bytes, int] = {}  # sample/prompt index -> cached prompt tokens
         buf = b""
         first = True
-        async for chunk in resp.aiter_raw():
+        chunks = self._chunks if self._chunks is not None else resp.aiter_raw()
+        pending = first_chunk or None  # read by _first_chunk before the response start
+        while True:
+            if pending is not None:
+                chunk, pending = pending, None
+            else:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
             if first:
                 first = False
                 metrics.ttft.observe(time.perf_counter() - self.t0)

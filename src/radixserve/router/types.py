@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 # constants.ROUTE_REASONS, in the same order (tests/test_docs_contracts.py checks).
-RouteReason = Literal["cache-affinity", "cold", "load-spill", "retry", "fallback"]
+RouteReason = Literal["cache-affinity", "cold", "hot-prefix", "load-spill", "retry", "fallback"]
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,19 @@ class WorkerLoad:
     """A routable worker as a policy sees it: its URL and what this router has in flight on it.
 
     ``inflight_tokens`` = sum over its in-flight requests of (uncached prompt tokens + remaining max_tokens).
+    ``engine_tokens`` is what the engine last reported (every router's requests, not only this one's); ``load``
+    is the larger of the two.
     """
 
     url: str
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    engine_tokens: int | None = None  # the engine's own load report (queued prefill + running KV tokens), if any
+
+    @property
+    def load(self) -> int:
+        """Tokens of work on this worker, as far as this router knows (in flight here, or the engine's report)."""
+        return max(self.inflight_tokens, self.engine_tokens or 0)
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,17 @@ class RouteDecision:
     worker: str
     reason: RouteReason
     predicted_cached_tokens: int = 0
+
+
+class CacheOracle(Protocol):
+    """Where a policy's matches come from when set (``IndexedPolicy.oracle``; ``cache_state.py``
+    ``CacheStateTracker``): the engine-reported cache of a worker whose report is verified, else a prediction."""
+
+    def match(self, worker: str, blocks: Sequence[int]) -> int:
+        """How many leading blocks of ``blocks`` (chained hashes) ``worker`` holds."""
+
+    def record(self, worker: str, blocks: Sequence[int]) -> None:
+        """A prompt of ``blocks`` was just dispatched to ``worker``."""
 
 
 class RoutingPolicy(Protocol):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,8 @@ class WorkerState:
     removed: bool = False
     model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> its /v1/models entry
     gauges: tuple[Any, Any] | None = field(default=None, repr=False)  # (in-flight requests, tokens) gauge children
+    answered_at: float = 0.0  # monotonic seconds the last successful probe ended
+    probe_failing: bool = False  # the latest probe of the probe loop failed (no answer, or not a healthy one)
 
     @property
     def state(self) -> WorkerHealthState:
@@ -111,6 +114,9 @@ class WorkerPool:
         self._routable_cache: dict[str | None, list[WorkerState]] = {}
         self._models_cache: frozenset[str] | None = None
         self.pending_warn_s = PENDING_WARN_S  # seconds pending before the one "not admitted" warning
+        # Called by the probe loop (each round, ~pending_probe_interval_s) with a worker that has requests in flight
+        # and has failed its probes for engine_stall_timeout_s, and why: the proxy moves or ends those requests.
+        self.on_stall: Callable[[WorkerState, str], None] | None = None
 
     # ------------------------------------------------------------------------------------------------ membership
     def sync(self, endpoints: dict[str, Endpoint]) -> None:
@@ -198,7 +204,10 @@ class WorkerPool:
         """A probe (``probe``) or a proxied request reached ``w`` and got an answer that is not a 5xx. Only a probe
         admits a pending worker or readmits an ejected one: a probe has just re-read its models (regression: a
         time-based readmission sent trial traffic to a restarted engine under its old model list)."""
-        self._on_transition(w, w.breaker.success(time.monotonic(), probe))
+        now = time.monotonic()
+        if probe:
+            w.answered_at, w.probe_failing = now, False
+        self._on_transition(w, w.breaker.success(now, probe))
 
     def record_failure(self, w: WorkerState, reason: str, definite: bool = False) -> None:
         """A probe failed, or a proxied request could not connect / got a 5xx before the first byte. ``reason`` is the
@@ -255,20 +264,31 @@ class WorkerPool:
         # starts once the last one of that worker has ended and its interval has passed since that one started:
         # ``health_interval_s``, or ``pending_probe_interval_s`` for a pending worker (regression: the stack's
         # ready line came up to 5 s after its engines could serve). Ejected workers keep the normal interval.
+        # A worker with requests in flight, or a routable one whose last probe failed, is probed every ``fast_s``
+        # (a tenth of engine_stall_timeout_s, at most health_interval_s): a freeze is seen within seconds, and a
+        # request waits on a stalled engine about engine_stall_timeout_s at most (``_check_stall``).
         probing: dict[str, asyncio.Task[None]] = {}
         started: dict[str, float] = {}  # monotonic seconds the worker's last probe started
         pending_s = min(self.args.pending_probe_interval_s, self.args.health_interval_s)
+        fast_s = min(self.args.health_interval_s, max(pending_s, self.args.engine_stall_timeout_s / 10))
         while True:
             now = time.monotonic()
             wake = now + pending_s  # at least this often: newcomers and probes that ended late are seen soon
             for w in list(self.workers.values()):
+                self._check_stall(w, now)
                 task = probing.get(w.url)
                 if task is not None and not task.done():
                     continue
-                due = started.get(w.url, now) + (pending_s if w.state == "pending" else self.args.health_interval_s)
+                if w.state == "pending":
+                    interval = pending_s
+                elif w.load.inflight_requests > 0 or (w.probe_failing and w.breaker.routable):
+                    interval = fast_s
+                else:
+                    interval = self.args.health_interval_s
+                due = started.get(w.url, now) + interval
                 if w.url not in started or now >= due:
                     started[w.url] = now
-                    task = probing[w.url] = asyncio.get_running_loop().create_task(self._probe(w))
+                    task = probing[w.url] = asyncio.get_running_loop().create_task(self._tracked_probe(w))
                     self._pending_probes.add(task)
                     task.add_done_callback(self._pending_probes.discard)
                 else:
@@ -278,12 +298,40 @@ class WorkerPool:
                 started.pop(url, None)
             await asyncio.sleep(max(0.0, wake - time.monotonic()))
 
+    def _check_stall(self, w: WorkerState, now: float) -> None:
+        """Hand ``w`` to ``on_stall`` when it has requests in flight, its latest probe failed and no probe has succeeded
+        for ``engine_stall_timeout_s``: frozen (SIGSTOP, a hung process), its scheduler dead, or shutting down for
+        longer than that. An engine answering its probes is never stalled, however long its requests take."""
+        if self.on_stall is None or not w.probe_failing or w.load.inflight_requests <= 0 or w.removed:
+            return
+        silent_s = now - w.answered_at
+        if silent_s >= self.args.engine_stall_timeout_s:
+            self.on_stall(w, f"no successful health probe for {silent_s:.1f} s (last error: {w.last_error})")
+
+    async def _tracked_probe(self, w: WorkerState) -> None:
+        """``_probe``, noting whether it failed (``probe_failing``; a success clears it in ``record_success``)."""
+        before = w.answered_at
+        await self._probe(w)
+        if w.answered_at == before:
+            w.probe_failing = True
+
+    def reprobe(self, w: WorkerState) -> None:
+        """Probe ``w`` now, out of turn (its answer says its model list is stale: an engine restarted with another
+        model at the same URL)."""
+        self._spawn(self._probe(w))
+
     async def probe_now(self) -> None:
         """Probe every worker once (tests and operators)."""
         await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())), return_exceptions=True)
 
     async def _probe(self, w: WorkerState) -> None:
-        timeout = min(self.args.connect_timeout_s, max(self.args.health_interval_s, 1.0))
+        # Well under engine_stall_timeout_s, so a frozen engine's probes fail (time out) several times before it counts
+        # as stalled.
+        timeout = min(
+            self.args.connect_timeout_s,
+            max(self.args.health_interval_s, 1.0),
+            max(self.args.engine_stall_timeout_s / 3, 0.5),
+        )
         try:
             r = await self.client.get(w.url + constants.ENGINE_HEALTH_PATH, timeout=timeout)
             if r.status_code != 200:

@@ -12,6 +12,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from hashlib import blake2b
 
+from radixserve.router.policy.hot_prefix import HotPrefixTracker
 from radixserve.router.policy.simple import IndexedPolicy, load_order
 from radixserve.router.types import PrefixKey, RouteDecision, RouteReason, WorkerLoad
 
@@ -37,8 +38,16 @@ class PrefixHashPolicy(IndexedPolicy):
     least ``cache_threshold`` of the prompt's key blocks: SGLang's cache-aware router (``--cache-threshold``, match
     length over prompt length) does the same. Below it the request is ``cold`` on its key's owner, so fresh prompts
     that share only a short head (a chat template's system prompt) spread over the ring instead of all following the
-    worker that served the first of them; 0 counts any match. Raises ``ValueError`` for ``virtual_nodes < 1``,
-    ``load_factor < 1``, ``balance_abs_tokens < 0`` or ``cache_threshold`` outside [0, 1].
+    worker that served the first of them; 0 counts any match.
+
+    Hot prefixes (``hot_prefix``, a ``HotPrefixTracker``; None = off): a group (one routing key) whose share of the
+    demand exceeds one engine's fair share gets the first ``r`` workers of its ring walk as replicas. A replica that
+    does not hold the group's head (its first ``prefix_blocks`` blocks) while another does is warmed deliberately
+    by the next request (reason ``hot-prefix``; one prefill per new replica, not one per request); after that each
+    request takes the fitting replica of least predicted cost, uncached prompt tokens plus load (``WorkerLoad.load``).
+    So the load of one hot system prompt spreads over as many engines as its demand needs, while other groups keep
+    their single owner. Raises ``ValueError`` for ``virtual_nodes < 1``, ``load_factor < 1``,
+    ``balance_abs_tokens < 0`` or ``cache_threshold`` outside [0, 1].
     """
 
     name = "prefix_hash"
@@ -50,6 +59,8 @@ class PrefixHashPolicy(IndexedPolicy):
         capacity_blocks_per_worker: int = 65536,
         balance_abs_tokens: int = 2048,
         cache_threshold: float = 0.5,
+        hot_prefix: HotPrefixTracker | None = None,
+        prefix_blocks: int = 8,
     ):
         if virtual_nodes < 1:
             raise ValueError("virtual_nodes must be >= 1")
@@ -64,6 +75,8 @@ class PrefixHashPolicy(IndexedPolicy):
         self.cache_threshold = cache_threshold
         self.virtual_nodes = virtual_nodes
         self.load_factor = load_factor
+        self.hot_prefix = hot_prefix
+        self.prefix_blocks = prefix_blocks  # K of the routing key: the blocks a group's requests all share
         self._points: list[int] = []  # sorted ring positions
         self._owners: list[str] = []  # worker URL of each position
         self._ring_urls: frozenset[str] = frozenset()
@@ -95,6 +108,12 @@ class PrefixHashPolicy(IndexedPolicy):
                         break
         return order + sorted(wanted - on_ring)
 
+    def record(self, worker: str, key: PrefixKey) -> None:
+        """The request with ``key`` went to ``worker``: its blocks are cached there, and its group's demand grows."""
+        super().record(worker, key)
+        if self.hot_prefix is not None:
+            self.hot_prefix.observe(key.routing_key, key.prompt_tokens)
+
     def _affine(self, matched: int, blocks: int) -> int:
         """``matched`` blocks of a prompt of ``blocks`` blocks if they reach ``cache_threshold`` of it, else 0."""
         return matched if matched and matched / blocks >= self.cache_threshold else 0
@@ -113,17 +132,17 @@ class PrefixHashPolicy(IndexedPolicy):
             return [self.decide(w.url, "fallback", None) for w in sorted(workers, key=load_order)]
         by_url = {w.url: w for w in workers}
         order = self.walk(key.routing_key, list(by_url))
-        total = sum(w.inflight_tokens for w in by_url.values())
-        least = min(w.inflight_tokens for w in by_url.values())
+        total = sum(w.load for w in by_url.values())
+        least = min(w.load for w in by_url.values())
         n = len(by_url)
         # A match counts only from the threshold on (regression: the chat template's ~30-token system prompt made
         # every chat follow the engine that served the first one, as cache-affinity).
         blocks = len(key.blocks)
-        matched = {url: self._affine(self.index.match(url, key.blocks), blocks) for url in order}
+        matched = {url: self._affine(self.match(url, key.blocks), blocks) for url in order}
         held = any(matched.values())
 
         def fits(url: str) -> bool:
-            load = by_url[url].inflight_tokens
+            load = by_url[url].load
             cost = max(0, cost_tokens - self.predicted_cached_tokens(url, key))
             return load + cost <= self.load_factor * (total + cost) / n or load - least <= self.balance_abs_tokens
 
@@ -139,7 +158,11 @@ class PrefixHashPolicy(IndexedPolicy):
 
         fitting = [u for u in order if fits(u)]
         owner = order[0]
-        if not fitting:  # cannot happen (the least loaded fits); kept so a bad load view never drops a request
+        hot = self._hot_choice(key, order, by_url, fitting)
+        if hot is not None:
+            choice, why = hot
+            first = self.decide(choice, why, key)
+        elif not fitting:  # cannot happen (the least loaded fits); kept so a bad load view never drops a request
             choice = min(by_url.values(), key=load_order).url
             first = self.decide(choice, "fallback", key)
         else:
@@ -149,3 +172,30 @@ class PrefixHashPolicy(IndexedPolicy):
             first = self.decide(choice, reason(choice), key)
         rest = [self.decide(u, reason(u), key) for u in order if u != choice]
         return [first, *rest]
+
+    def _hot_choice(
+        self, key: PrefixKey, order: list[str], by_url: dict[str, WorkerLoad], fitting: list[str]
+    ) -> tuple[str, RouteReason] | None:
+        """For a replicated (hot) group: the replica to use and why, or None (not hot, or no replica fits: the
+        normal ring walk decides)."""
+        if self.hot_prefix is None:
+            return None
+        now = self.hot_prefix.current(key.routing_key)
+        busy = all(by_url[u].inflight_requests > 0 for u in order[:now])
+        r = self.hot_prefix.replicas(key.routing_key, len(order), busy)
+        if r <= 1:
+            return None
+        fit = set(fitting)
+        replicas = [u for u in order[:r] if u in fit]
+        if not replicas:
+            return None
+        raw = {u: self.match(u, key.blocks) for u in order[:r]}
+        # The group's head: the first K blocks every request of the group shares (fewer if no replica holds them).
+        head = min(max(raw.values()), self.prefix_blocks)
+        if head:
+            for u in replicas:  # ring order: the next replica to warm is always the same one
+                if raw[u] < head:
+                    return u, "hot-prefix"
+        cost = {u: key.prompt_tokens - self.predicted_cached_tokens(u, key) + by_url[u].load for u in replicas}
+        choice = min(replicas, key=lambda u: (cost[u], by_url[u].inflight_requests))
+        return choice, ("cache-affinity" if raw[choice] else "cold")

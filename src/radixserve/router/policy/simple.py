@@ -10,12 +10,13 @@ import random
 from collections.abc import Sequence
 
 from radixserve.router.prefix_index import PrefixIndex
-from radixserve.router.types import PrefixKey, RouteDecision, RouteReason, WorkerLoad
+from radixserve.router.types import CacheOracle, PrefixKey, RouteDecision, RouteReason, WorkerLoad
 
 
 def load_order(w: WorkerLoad) -> tuple[int, int, str]:
-    """Sort key, least loaded first: in-flight tokens, then in-flight requests, then URL (deterministic ties)."""
-    return (w.inflight_tokens, w.inflight_requests, w.url)
+    """Sort key, least loaded first: tokens of load (``WorkerLoad.load``), then in-flight requests, then URL
+    (deterministic ties)."""
+    return (w.load, w.inflight_requests, w.url)
 
 
 class IndexedPolicy:
@@ -26,6 +27,14 @@ class IndexedPolicy:
 
     def __init__(self, capacity_blocks_per_worker: int = 65536):
         self.index = PrefixIndex(capacity_blocks_per_worker)
+        # The match source when set (router/cache_state.py: engine-reported caches, the index for the others).
+        self.oracle: CacheOracle | None = None
+
+    def match(self, worker: str, blocks: Sequence[int]) -> int:
+        """Leading blocks of ``blocks`` ``worker`` holds: the ``oracle``'s answer, else the index's prediction."""
+        if self.oracle is not None:
+            return self.oracle.match(worker, blocks)
+        return self.index.match(worker, blocks)
 
     def set_workers(self, urls: Sequence[str]) -> None:
         """Load-only policies need no ring; the workers come with every ``rank`` call."""
@@ -33,6 +42,8 @@ class IndexedPolicy:
     def record(self, worker: str, key: PrefixKey) -> None:
         """The request with ``key`` went to ``worker``: its prompt blocks are now cached there."""
         self.index.record(worker, key.blocks)
+        if self.oracle is not None:
+            self.oracle.record(worker, key.blocks)
 
     def forget_worker(self, worker: str) -> None:
         """``worker`` left: its cache is gone."""
@@ -43,7 +54,7 @@ class IndexedPolicy:
         last prompt token); 0 without a key."""
         if key is None:
             return 0
-        matched = self.index.match(worker, key.blocks)
+        matched = self.match(worker, key.blocks)
         return max(0, min(matched * key.block_tokens, key.prompt_tokens - 1))
 
     def decide(self, worker: str, reason: RouteReason, key: PrefixKey | None) -> RouteDecision:
