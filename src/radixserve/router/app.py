@@ -34,8 +34,9 @@ from radixserve.router.cache_state import CacheStateTracker
 from radixserve.router.cache_state import attach as attach_cache_oracle
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.proxy import Kind, Proxy
+from radixserve.router.proxy import Proxy
 from radixserve.router.readiness import ReadyAnnouncer
+from radixserve.router.types import RequestKind
 from radixserve.router.workers import WorkerPool
 
 logger = logging.getLogger("radixserve.router")
@@ -187,7 +188,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     app.state.cache_state = cache
 
     def count_edge_reply(status: int) -> None:
-        proxy._count("unknown", status)
+        proxy.counter.count("unknown", status)
 
     app.add_middleware(
         EdgeMiddleware,
@@ -202,7 +203,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     # The proxied routes are raw ASGI apps, reached through the fast path (see _RouterApp); the Route entries make
     # the ordinary path (e.g. under a root_path) and 405s for other methods work too.
     app.fast_routes = {}
-    kinds: tuple[tuple[str, Kind], ...] = (
+    kinds: tuple[tuple[str, RequestKind], ...] = (
         ("/v1/chat/completions", "chat"),
         ("/v1/completions", "completions"),
         ("/generate", "generate"),

@@ -14,9 +14,7 @@ from typing import Any, Literal
 from radixserve.contracts.block_hash import as_int as _as_int
 from radixserve.contracts.block_hash import chain_packed, namespace_digest, pack_token_ids
 from radixserve.contracts.block_hash import digest as _digest
-from radixserve.router.types import PrefixKey
-
-Endpoint = Literal["chat", "completions", "generate"]
+from radixserve.router.types import PrefixKey, RequestKind
 
 # The engine's roles (engine/server/chat.py); anything else it answers with 400, so no key.
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -125,14 +123,14 @@ class PrefixKeyExtractor:
         """Whether ``model``'s requests are keyed on tokens (else on characters)."""
         return model in self._tokenizers
 
-    def extract(self, endpoint: str, body: dict[str, Any], model: str) -> PrefixKey | None:
+    def extract(self, endpoint: RequestKind, body: dict[str, Any], model: str) -> PrefixKey | None:
         """The prefix key of a request to ``endpoint`` ("chat" = /v1/chat/completions, "completions" =
         /v1/completions, "generate" = native /generate) for ``model``.
 
         Renders the prompt as the engine does (chat: template with ``add_generation_prompt=True`` then
         ``encode(add_special_tokens=False)``; completions / generate text: ``encode`` with special tokens; token-id
         prompts as given; batches: the first prompt). Returns None, never raises, for a body the engine would reject
-        (it answers 400 itself) or an unknown endpoint.
+        (it answers 400 itself).
         """
         if not isinstance(body, dict) or not isinstance(model, str):
             return None  # type: ignore[unreachable]  # defensive: untyped callers get None, never an exception
@@ -156,12 +154,10 @@ class PrefixKeyExtractor:
             return self._text_key(prompt, model, salt, tokenizer, add_special_tokens=False, extra_chars=dropped_chars)
         if endpoint == "completions":
             return self._prompt_key(body.get("prompt"), model, salt, tokenizer)
-        if endpoint == "generate":
-            text, ids = body.get("text"), body.get("input_ids")
-            if (text is None) == (ids is None):
-                return None  # the engine wants exactly one of them
-            return self._prompt_key(text if text is not None else ids, model, salt, tokenizer, ids_only=text is None)
-        return None
+        text, ids = body.get("text"), body.get("input_ids")  # generate
+        if (text is None) == (ids is None):
+            return None  # the engine wants exactly one of them
+        return self._prompt_key(text if text is not None else ids, model, salt, tokenizer, ids_only=text is None)
 
     # ------------------------------------------------------------------------------------------------ prompt forms
 

@@ -12,6 +12,9 @@ from typing import Literal, Protocol
 # constants.ROUTE_REASONS, in the same order (tests/test_docs_contracts.py checks).
 RouteReason = Literal["cache-affinity", "cold", "hot-prefix", "load-spill", "retry", "fallback"]
 
+# The proxied request kinds: POST /v1/chat/completions, /v1/completions and the native /generate.
+RequestKind = Literal["chat", "completions", "generate"]
+
 
 @dataclass(frozen=True)
 class PrefixKey:
