@@ -1,6 +1,7 @@
 """Types shared by the router's parts: prefix keys, worker load views, routing decisions, discovered endpoints.
 
-Import direction inside router/: types <- prefix_key, policy, discovery <- workers, proxy <- app. Nothing here does I/O.
+Import direction inside router/: types <- prefix_key, policy, discovery, worker_state, request, usage <- probes <-
+workers <- relay <- proxy <- app. Nothing here does I/O.
 """
 
 from __future__ import annotations
