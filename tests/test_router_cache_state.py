@@ -242,7 +242,7 @@ def test_view_equals_the_engines_set_after_every_poll(tok, served, ops, capacity
 def test_a_restart_forgets_at_once_and_load_is_read(tok):
     fake = FakeEngine(tok)
     fake.cache_events = CacheEventLog(MODEL, 16, capacity=1)
-    fake.load.update(queued_prefill_tokens=300, running_tokens=700)
+    fake.load.update(queued_prefill_tokens=300, running_tokens=700, queued_requests=1, running_requests=2)
 
     async def run() -> None:
         async with asgi_client(fake) as client:
@@ -253,6 +253,7 @@ def test_a_restart_forgets_at_once_and_load_is_read(tok):
             f = await poll(tracker)
             assert f.state == "exact" and f.view.blocks == {11, 12, 13}
             assert tracker.pool.workers[URL].load.engine_tokens == 1000
+            assert tracker.pool.workers[URL].load.engine_requests == 3
             assert tracker.match(URL, [11, 12, 13, 14]) == 3
             tracker.record(URL, [11, 12, 13, 14])
             tracker.index.record(URL, [11, 12, 13, 14])

@@ -233,8 +233,8 @@ def test_two_routers_with_the_same_view_route_alike(extractor):
     rng = random.Random(2)
     for k in keys:
         clock.t += 0.1
-        reported = {u: rng.randrange(0, 3000) for u in ws}
-        loads = [WorkerLoad(u, 0, 0, engine_tokens=reported[u]) for u in ws]
+        reported = {u: rng.randrange(0, 6) for u in ws}
+        loads = [WorkerLoad(u, 0, 0, engine_requests=reported[u], mean_request_tokens=700.0) for u in ws]
         da, db = a.rank(k, loads, 700)[0], b.rank(k, loads, 700)[0]
         assert da == db
         a.record(da.worker, k)

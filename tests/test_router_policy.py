@@ -519,3 +519,36 @@ def test_shared_system_prompt_stays_on_its_worker_until_load_spills(extractor):
             reasons.append(decision.reason)
     assert reasons and reasons[0] == "load-spill"
     assert chosen.most_common(1)[0][0] == owner and len(chosen) > 1
+
+
+def test_engine_reported_kv_tokens_do_not_count_as_this_routers_load():
+    """Regression (issue 13 bench): load was max(in-flight tokens, the engine's queued prefill + KV tokens), and KV
+    tokens count the cached prefixes running requests hold, so an engine with 2 conversations of ~600 KV tokens each
+    looked 2,400 tokens busier than it was and conversations spilled off it (hit rate 0.74 -> 0.67). Only the
+    engine's request count adds load: other routers' requests, at this router's mean cost per request."""
+    mine = WorkerLoad("http://a", inflight_requests=2, inflight_tokens=600, engine_tokens=5000, engine_requests=2)
+    assert mine.load == 600
+    shared = WorkerLoad("http://a", inflight_requests=2, inflight_tokens=600, engine_tokens=9000, engine_requests=4)
+    assert shared.load == 1200 and shared.requests == 4
+    other_routers_only = WorkerLoad("http://b", engine_tokens=9000, engine_requests=3, mean_request_tokens=250.0)
+    assert other_routers_only.load == 750
+    assert WorkerLoad("http://c", inflight_requests=1, inflight_tokens=90).load == 90  # no /load report
+
+
+def test_a_conversation_stays_on_its_engine_whatever_kv_that_engine_reports(extractor):
+    ws = [f"http://w{i}" for i in range(2)]
+    policy = make_policy("prefix_hash")
+    policy.set_workers(ws)
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "rules " * 300}, {"role": "user", "content": "hi"}],
+    }
+    key = extractor.extract("chat", body, "m")
+    first = policy.rank(key, [WorkerLoad(u) for u in ws], 400)[0].worker
+    policy.record(first, key)
+    other = next(u for u in ws if u != first)
+    loads = [
+        WorkerLoad(first, 3, 900, engine_tokens=4000, engine_requests=3),
+        WorkerLoad(other, 0, 0, engine_tokens=0, engine_requests=0),
+    ]
+    assert policy.rank(key, loads, 400)[0].worker == first

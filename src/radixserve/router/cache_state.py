@@ -441,7 +441,7 @@ class CacheStateTracker:
             f.last_error = f"not a cache-events answer ({type(e).__name__}: {e})"
             f.view.synced = False  # start over from a snapshot
         if f.failures >= UNREACHABLE_AFTER_POLLS:
-            f.engine_tokens = w.load.engine_tokens = None
+            f.engine_tokens = w.load.engine_tokens = w.load.engine_requests = None
         if f.no_events is None and f.failures == 0 and f.view.synced:
             await self._parity_if_due(f, w, client)
         self._evaluate(f, w)
@@ -495,15 +495,16 @@ class CacheStateTracker:
         try:
             body = await self._get(client, f.url + ENGINE_LOAD_PATH)
         except _NotServed:
-            f.engine_tokens = w.load.engine_tokens = None
+            f.engine_tokens = w.load.engine_tokens = w.load.engine_requests = None
             f.no_load, f.load_retry_at = True, now + self._retry_missing_s
             return
         except Exception:
-            f.engine_tokens = w.load.engine_tokens = None
+            f.engine_tokens = w.load.engine_tokens = w.load.engine_requests = None
             raise
         f.no_load = False
         tokens = _int(body, "queued_prefill_tokens") + _int(body, "running_tokens")
         f.engine_tokens = w.load.engine_tokens = tokens
+        w.load.engine_requests = _int(body, "queued_requests") + _int(body, "running_requests")
         inc = body.get("incarnation")
         if isinstance(inc, str) and f.view.incarnation is not None and inc != f.view.incarnation:
             self._restarted(f, f.view.incarnation, inc)  # the next round loads its snapshot

@@ -93,8 +93,12 @@ class WorkerPool:
     @staticmethod
     def acquire(w: WorkerState, tokens: int) -> None:
         """Count one request of ``tokens`` (uncached prompt + max tokens) in flight on ``w``."""
-        w.load.inflight_requests += 1
-        w.load.inflight_tokens += tokens
+        load = w.load
+        load.inflight_requests += 1
+        load.inflight_tokens += tokens
+        # The cost at which other routers' requests on this engine count (WorkerLoad.load); a short memory.
+        m = load.mean_request_tokens
+        load.mean_request_tokens = float(tokens) if m == 0.0 else 0.9 * m + 0.1 * tokens
         if w.gauges is not None:
             w.gauges[0].set(w.load.inflight_requests)
             w.gauges[1].set(w.load.inflight_tokens)

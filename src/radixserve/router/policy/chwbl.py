@@ -181,7 +181,7 @@ class PrefixHashPolicy(IndexedPolicy):
         if self.hot_prefix is None:
             return None
         now = self.hot_prefix.current(key.routing_key)
-        busy = all(by_url[u].inflight_requests > 0 for u in order[:now])
+        busy = all(by_url[u].requests > 0 for u in order[:now])  # every router's requests, as the engine counts
         r = self.hot_prefix.replicas(key.routing_key, len(order), busy)
         if r <= 1:
             return None
