@@ -18,6 +18,7 @@ os.environ.setdefault("RADIXSERVE_TORCH_COMPILE", "0")
 os.environ.setdefault("RADIXSERVE_CPU_OMP_THREADS_BIND", "nobind")
 
 from radixserve.engine.model import loader as _loader  # noqa: E402
+from radixserve.engine.model.quant import load as _quant_load  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m-instruct")
@@ -62,6 +63,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 _loader.iter_safetensors = _guarded(_loader.iter_safetensors)
 _loader.iter_gguf = _guarded(_loader.iter_gguf)
+_quant_load.GGUFFile = _guarded(_quant_load.GGUFFile)  # type: ignore[misc]  # GGUF weights kept quantized
 
 
 @pytest.hookimpl(hookwrapper=True)

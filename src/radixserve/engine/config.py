@@ -56,6 +56,8 @@ class EngineArgs:
     torch_compile_cache_dir: str | None = None  # default: ~/.cache/radixserve/torch-compile
     # Projections and LM head prepacked for oneDNN on CPU (engine/model/prepack.py); this flag keeps F.linear.
     disable_weight_prepack: bool = False
+    # GGUF weights kept quantized on CPU (engine/model/quant/): opt-in while it is new; None dequantizes to --dtype.
+    quantization: str | None = None  # gguf
     # Batch-invariant logits (engine/model/batch_invariant.py, deterministic TorchBackend): a request's output
     # does not depend on the requests batched with it. Costs speed; see bench/README.md.
     enable_deterministic_inference: bool = False
@@ -104,6 +106,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ATTENTION_BACKENDS,
     "log_level": LOG_LEVELS,
     "reasoning_parser": ("think",),
+    "quantization": ("gguf",),
 }
 # Integer flags and their least valid value; None (where the field allows it) keeps its documented default.
 _MIN_INT = {
@@ -163,6 +166,8 @@ HELP: dict[str, str] = {
     "~/.cache/radixserve/torch-compile)",
     "disable_weight_prepack": "keep dense weights and F.linear on CPU (for debugging; default: bfloat16 / "
     "float16 weights prepacked for oneDNN where the CPU supports them; float32 stays dense, MKL is faster there)",
+    "quantization": "gguf: keep a .gguf model's Q4_0 / Q4_1 / Q8_0 weights quantized on CPU (int4 GEMMs; "
+    "default: dequantize them to --dtype)",
     "enable_deterministic_inference": "batch-invariant inference (SGLang's flag): a request's logits, and so its "
     "seeded or greedy tokens, do not depend on the other requests in its batch (torch attention backend; slower)",
     "stream_interval": "tokens between streamed chunks",

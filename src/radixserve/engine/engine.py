@@ -118,6 +118,7 @@ class Engine:
             torch_compile_max_bs=args.torch_compile_max_bs,
             torch_compile_cache_dir=args.torch_compile_cache_dir,
             weight_prepack=False if args.disable_weight_prepack else None,
+            quantization=args.quantization,
         ).result()
         cfg = self.runner.model_config
         context = served_context(

@@ -21,6 +21,7 @@ from torch import nn
 from radixserve.engine.model import attention_op, prepack
 from radixserve.engine.model.batch_invariant import batch_invariant_linear
 from radixserve.engine.model.config import ModelConfig
+from radixserve.engine.model.quant.linear import Int4Linear
 from radixserve.engine.model.rope import RotaryEmbedding
 
 
@@ -179,8 +180,10 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        embed.weight.requires_grad_(False)
+        # nn.Module: GGUF weights kept quantized swap in quant.embedding.GroupedEmbedding (quant/load.py)
+        self.embed_tokens: nn.Module = embed
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -196,7 +199,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, dtype, device)
-        self.lm_head = (
+        # nn.Module: GGUF weights kept quantized swap in quant.linear.Int4Linear (quant/load.py), also when tied
+        self.lm_head: nn.Module | None = (
             None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         )
         self.rope: RotaryEmbedding | None = None
@@ -208,23 +212,24 @@ class LlamaForCausalLM(nn.Module):
         """Every projection and the LM head batch-invariant (``--enable-deterministic-inference``) or not."""
         self.batch_invariant = on
         for m in self.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, (Linear, Int4Linear)):
                 m.batch_invariant = on
 
     def prepack(self, force: bool = False) -> bool:
         """Prepack every projection and the LM head for oneDNN (``prepack.py``) where it pays (``prepack_pays``), or
-        with ``force`` wherever the device and dtype allow it; True when it did. A tied LM head is packed as a copy
-        (the embedding lookup keeps the dense matrix)."""
-        weight = self.lm_head_weight()
+        with ``force`` wherever the device and dtype allow it; True when it packed anything. A tied LM head is packed
+        as a copy (the embedding lookup keeps the dense matrix). Modules that are not ``Linear``
+        (``quant.linear.Int4Linear``: GGUF weights kept quantized) keep their own layout."""
+        probe = self.model.norm.weight  # the model's dtype and device (a quantized LM head has no dense weight)
         wanted = prepack.prepack_supported if force else prepack.prepack_pays
-        if not wanted(weight.dtype, weight.device):
+        if not wanted(probe.dtype, probe.device):
             return False
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.prepack()
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.prepack()
         if self.lm_head is None:
-            self.lm_head_pack = prepack.pack_linear(self, weight, None)
-        return True
+            self.lm_head_pack = prepack.pack_linear(self, self.lm_head_weight(), None)
+        return bool(linears) or self.lm_head is None
 
     def packed_bytes(self) -> int:
         """Bytes held by prepacked weights (not counted by ``parameters()``)."""
@@ -254,8 +259,10 @@ class LlamaForCausalLM(nn.Module):
             attn.register_buffer("layer_index", torch.tensor(attn.layer_id), persistent=False)
 
     def lm_head_weight(self) -> torch.Tensor:
-        """``[vocab, hidden]``: the embedding matrix when tied, else ``lm_head.weight``."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """``[vocab, hidden]``: the embedding matrix when tied, else ``lm_head.weight`` (dense modules only)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        assert isinstance(weight, torch.Tensor), "a quantized embedding or LM head has no dense weight"
+        return weight
 
     def forward(
         self,

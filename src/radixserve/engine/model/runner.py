@@ -25,6 +25,7 @@ from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.model.forward_context import forward_context
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_weights
+from radixserve.engine.model.quant.load import load_gguf_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +106,14 @@ class ModelRunner:
         torch_compile_cache_dir: compile artifacts (default ``compile_cache_dir()``).
         weight_prepack: prepack the projections and the LM head for oneDNN (``prepack.py``): ``None`` where it pays
             (``prepack_pays``: bfloat16 / float16 on CPU), True wherever supported (float32 too), False never.
+        quantization: ``None`` (weights dequantized to ``dtype``) or ``"gguf"``: a ``.gguf`` file's Q4_0 / Q4_1 /
+            Q8_0 projections, embedding and LM head kept quantized (``model/quant/load.py``; CPU only).
 
     Raises:
         ValueError: unsupported architecture / dtype / device / backend, a ``context_length`` above the model's
             ``max_position_embeddings`` (``check_context_length``), a KV pool that cannot hold one context;
-            FileNotFoundError: no weights.
+            FileNotFoundError: no weights. ``quantization="gguf"`` without a ``.gguf`` file, or off CPU: ValueError;
+            a GGUF tensor of a type it cannot keep quantized: ``quant.gguf_file.UnsupportedGGUFType`` (a ValueError).
     """
 
     def __init__(
@@ -128,9 +132,14 @@ class ModelRunner:
         torch_compile_max_bs: int | None = None,
         torch_compile_cache_dir: str | None = None,
         weight_prepack: bool | None = None,
+        quantization: str | None = None,
     ) -> None:
         if not os.path.exists(model_path):
             raise FileNotFoundError(model_path)
+        if quantization not in (None, "gguf"):
+            raise ValueError(f"unknown quantization {quantization!r}; choose gguf")
+        if quantization == "gguf" and not model_path.endswith(".gguf"):
+            raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {model_path}")
         self.device = resolve_device(device)
         self.cpu_binding = self._set_threads(num_threads, cpu_omp_threads_bind)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -140,19 +149,24 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.model = LlamaForCausalLM(cfg, self.dtype, device="meta")
-            self.model.materialize(self.device, self.dtype)
-            load_weights(self.model, model_path)
+            if quantization == "gguf":
+                load_gguf_quantized(self.model, model_path, self.device, self.dtype)
+            else:
+                self.model.materialize(self.device, self.dtype)
+                load_weights(self.model, model_path)
+        self.quantization = quantization
         self.model.eval()
         self.model.set_batch_invariant(deterministic)
         self.prepacked = weight_prepack is not False and self.model.prepack(force=weight_prepack is True)
         self.load_seconds = time.perf_counter() - t0
         logger.info(
-            "loaded %s (%s, %s) on %s in %.1f s%s%s",
+            "loaded %s (%s, %s) on %s in %.1f s%s%s%s",
             model_path,
             cfg.architecture,
             self.dtype,
             self.device,
             self.load_seconds,
+            ", GGUF weights kept quantized" if quantization else "",
             ", weights prepacked for oneDNN" if self.prepacked else "",
             ", deterministic inference (batch-invariant GEMMs)" if deterministic else "",
         )
