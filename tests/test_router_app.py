@@ -382,8 +382,10 @@ def test_pending_worker_probed_often_until_admitted_then_at_the_health_interval(
             assert health(r)["workers"][0]["state"] == "pending"
             fakes[0].healthy = True
             t0 = time.monotonic()
-            assert wait_until(lambda: health(r)["routable_workers"] == 1, 10)
-            assert time.monotonic() - t0 < 2
+            assert wait_until(lambda: health(r)["routable_workers"] == 1, 20)
+            # Admission also fetches and builds the tokenizer: ~0.5 s idle, 3.2 s once on a loaded 2-core CI machine
+            # (regression: `< 2` failed there). Well under the 30 s health interval either way.
+            assert time.monotonic() - t0 < 10
             admitted = len(calls)
             time.sleep(1.0)
             assert len(calls) == admitted  # admitted: back to the 30 s interval
