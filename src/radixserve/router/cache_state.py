@@ -52,7 +52,7 @@ from radixserve.contracts.block_hash import (
 )
 from radixserve.router.breaker import failure_reason, status_reason
 from radixserve.router.policy.simple import IndexedPolicy
-from radixserve.router.prefix_index import PrefixIndex
+from radixserve.router.prefix_index import PrefixIndex, prefix_match
 from radixserve.router.types import PrefixKey, RoutingPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,21 +104,6 @@ def canary_requests(model: str) -> list[tuple[Literal["chat", "completions"], di
         ),
         ("completions", {"model": model, "prompt": _CANARY_PROMPT, "max_tokens": 1}),
     ]
-
-
-def prefix_match(held: Any, blocks: Sequence[int]) -> int:
-    """How many leading blocks of ``blocks`` are in ``held`` (a set or mapping of chained block hashes that is
-    prefix-closed, as a radix cache's blocks are: a binary search)."""
-    if not blocks or blocks[0] not in held:
-        return 0
-    lo, hi = 1, len(blocks)  # invariant: blocks[lo - 1] held; answer in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if blocks[mid - 1] in held:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class EngineCacheView:

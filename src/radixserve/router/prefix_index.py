@@ -8,7 +8,7 @@ same tree, flattened. Eviction is LRU per worker, leaves first, like the engine'
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 
 class PrefixIndex:
@@ -40,16 +40,7 @@ class PrefixIndex:
     def match(self, worker: str, blocks: Sequence[int]) -> int:
         """How many leading blocks of ``blocks`` ``worker`` is predicted to cache (0 for an unknown worker)."""
         cached = self._blocks.get(worker)
-        if not cached or not blocks or blocks[0] not in cached:
-            return 0
-        lo, hi = 1, len(blocks)  # invariant: blocks[lo - 1] cached; answer in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if blocks[mid - 1] in cached:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return prefix_match(cached, blocks) if cached else 0
 
     def forget(self, worker: str) -> None:
         """``worker`` left or restarted: its cache is gone."""
@@ -59,3 +50,18 @@ class PrefixIndex:
         """How many blocks are recorded for ``worker``."""
         cached = self._blocks.get(worker)
         return len(cached) if cached else 0
+
+
+def prefix_match(held: Container[int], blocks: Sequence[int]) -> int:
+    """How many leading blocks of ``blocks`` are in ``held`` (a set or mapping of chained block hashes that is
+    prefix-closed, as a radix cache's blocks are: a binary search)."""
+    if not blocks or blocks[0] not in held:
+        return 0
+    lo, hi = 1, len(blocks)  # invariant: blocks[lo - 1] held; answer in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -76,10 +76,6 @@ class Proxy:
         )
         pool.on_stall = self.abandon_stalled
 
-    @property
-    def shutting_down(self) -> bool:
-        return self.inflight.shutting_down
-
     def begin_shutdown(self) -> None:
         """End every request in flight now (``InFlight.begin_shutdown``; call on the event loop)."""
         self.inflight.begin_shutdown()
