@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 from pathlib import Path
 
 import torch
@@ -70,6 +71,16 @@ def _call_layer(
     return out
 
 
+def _own_layer_call() -> types.FunctionType:
+    """A copy of ``_call_layer`` with its own code object.
+
+    Dynamo keeps compiled graphs, and counts recompiles against ``recompile_limit``, per code object: with one shared
+    function, every model loaded in a process (tests, a second runner) adds graphs to the same cache until the limit
+    fails a ``fullgraph`` compile. One code object per ``CompiledLayers`` keeps each model's two graphs its own.
+    """
+    return types.FunctionType(_call_layer.__code__.replace(), _call_layer.__globals__, _call_layer.__name__)
+
+
 class CompiledLayers:
     """Runs decoder layers through one ``torch.compile``-d graph (a ``LayerRunner`` for ``LlamaForCausalLM``).
 
@@ -79,7 +90,7 @@ class CompiledLayers:
 
     def __init__(self, max_batch_size: int | None = None) -> None:
         self.max_batch_size = max_batch_size
-        self._compiled = torch.compile(_call_layer, fullgraph=True, dynamic=None)
+        self._compiled = torch.compile(_own_layer_call(), fullgraph=True, dynamic=None)
 
     def uses_compiled(self, batch_size: int) -> bool:
         """True when a forward of ``batch_size`` sequences runs the compiled layers."""
