@@ -19,6 +19,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# model/quant/on_load.py's WeightOnlyConfig.parse accepts exactly these (a test checks).
+TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
 # The environment variable --api-key defaults from, so a key need not be on a command line (visible in ps).
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 
@@ -58,6 +60,8 @@ class EngineArgs:
     disable_weight_prepack: bool = False
     # GGUF weights kept quantized on CPU (engine/model/quant/): opt-in while it is new; None dequantizes to --dtype.
     quantization: str | None = None  # gguf
+    # A dense checkpoint's projections quantized at load on CPU (engine/model/quant/on_load.py): int8wo | int4wo-G
+    torchao_config: str | None = None
     # Batch-invariant logits (engine/model/batch_invariant.py, deterministic TorchBackend): a request's output
     # does not depend on the requests batched with it. Costs speed; see bench/README.md.
     enable_deterministic_inference: bool = False
@@ -107,6 +111,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": LOG_LEVELS,
     "reasoning_parser": ("think",),
     "quantization": ("gguf",),
+    "torchao_config": TORCHAO_CONFIGS,
 }
 # Integer flags and their least valid value; None (where the field allows it) keeps its documented default.
 _MIN_INT = {
@@ -168,6 +173,9 @@ HELP: dict[str, str] = {
     "float16 weights prepacked for oneDNN where the CPU supports them; float32 stays dense, MKL is faster there)",
     "quantization": "gguf: keep a .gguf model's Q4_0 / Q4_1 / Q8_0 weights quantized on CPU (int4 GEMMs; "
     "default: dequantize them to --dtype)",
+    "torchao_config": "weight-only quantization of a dense checkpoint's projections at load on CPU (SGLang's flag): "
+    "int8wo (int8, a scale per output row) or int4wo-G (4-bit, a scale and zero per G inputs); embedding and LM head "
+    "stay in --dtype (default: none)",
     "enable_deterministic_inference": "batch-invariant inference (SGLang's flag): a request's logits, and so its "
     "seeded or greedy tokens, do not depend on the other requests in its batch (torch attention backend; slower)",
     "stream_interval": "tokens between streamed chunks",

@@ -119,6 +119,7 @@ class Engine:
             torch_compile_cache_dir=args.torch_compile_cache_dir,
             weight_prepack=False if args.disable_weight_prepack else None,
             quantization=args.quantization,
+            torchao_config=args.torchao_config,
         ).result()
         cfg = self.runner.model_config
         context = served_context(

@@ -21,6 +21,7 @@ from torch import nn
 from radixserve.engine.model import attention_op, prepack
 from radixserve.engine.model.batch_invariant import batch_invariant_linear
 from radixserve.engine.model.config import ModelConfig
+from radixserve.engine.model.quant.int8_linear import Int8Linear
 from radixserve.engine.model.quant.linear import Int4Linear
 from radixserve.engine.model.rope import RotaryEmbedding
 
@@ -212,14 +213,14 @@ class LlamaForCausalLM(nn.Module):
         """Every projection and the LM head batch-invariant (``--enable-deterministic-inference``) or not."""
         self.batch_invariant = on
         for m in self.modules():
-            if isinstance(m, (Linear, Int4Linear)):
+            if isinstance(m, (Linear, Int4Linear, Int8Linear)):
                 m.batch_invariant = on
 
     def prepack(self, force: bool = False) -> bool:
         """Prepack every projection and the LM head for oneDNN (``prepack.py``) where it pays (``prepack_pays``), or
         with ``force`` wherever the device and dtype allow it; True when it packed anything. A tied LM head is packed
         as a copy (the embedding lookup keeps the dense matrix). Modules that are not ``Linear``
-        (``quant.linear.Int4Linear``: GGUF weights kept quantized) keep their own layout."""
+        (``quant.linear.Int4Linear``, ``quant.int8_linear.Int8Linear``: quantized weights) keep their own layout."""
         probe = self.model.norm.weight  # the model's dtype and device (a quantized LM head has no dense weight)
         wanted = prepack.prepack_supported if force else prepack.prepack_pays
         if not wanted(probe.dtype, probe.device):

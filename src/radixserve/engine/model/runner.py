@@ -26,6 +26,7 @@ from radixserve.engine.model.forward_context import forward_context
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_weights
 from radixserve.engine.model.quant.load import load_gguf_quantized
+from radixserve.engine.model.quant.on_load import WeightOnlyConfig, quantize_projections
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +109,14 @@ class ModelRunner:
             (``prepack_pays``: bfloat16 / float16 on CPU), True wherever supported (float32 too), False never.
         quantization: ``None`` (weights dequantized to ``dtype``) or ``"gguf"``: a ``.gguf`` file's Q4_0 / Q4_1 /
             Q8_0 projections, embedding and LM head kept quantized (``model/quant/load.py``; CPU only).
+        torchao_config: ``"int8wo"`` or ``"int4wo-G"``: the projections of a dense checkpoint quantized at load
+            (``model/quant/on_load.py``; CPU only); not with ``quantization``.
 
     Raises:
         ValueError: unsupported architecture / dtype / device / backend, a ``context_length`` above the model's
             ``max_position_embeddings`` (``check_context_length``), a KV pool that cannot hold one context;
-            FileNotFoundError: no weights. ``quantization="gguf"`` without a ``.gguf`` file, or off CPU: ValueError;
+            FileNotFoundError: no weights. ``quantization="gguf"`` without a ``.gguf`` file, or off CPU, an unknown
+            ``torchao_config``, one off CPU, or both flags: ValueError;
             a GGUF tensor of a type it cannot keep quantized: ``quant.gguf_file.UnsupportedGGUFType`` (a ValueError).
     """
 
@@ -133,6 +137,7 @@ class ModelRunner:
         torch_compile_cache_dir: str | None = None,
         weight_prepack: bool | None = None,
         quantization: str | None = None,
+        torchao_config: str | None = None,
     ) -> None:
         if not os.path.exists(model_path):
             raise FileNotFoundError(model_path)
@@ -140,6 +145,9 @@ class ModelRunner:
             raise ValueError(f"unknown quantization {quantization!r}; choose gguf")
         if quantization == "gguf" and not model_path.endswith(".gguf"):
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {model_path}")
+        weight_only = WeightOnlyConfig.parse(torchao_config) if torchao_config else None
+        if weight_only is not None and quantization:
+            raise ValueError(f"--torchao-config {torchao_config} quantizes dense weights: not with --quantization")
         self.device = resolve_device(device)
         self.cpu_binding = self._set_threads(num_threads, cpu_omp_threads_bind)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -154,7 +162,9 @@ class ModelRunner:
             else:
                 self.model.materialize(self.device, self.dtype)
                 load_weights(self.model, model_path)
-        self.quantization = quantization
+                if weight_only is not None:
+                    quantize_projections(self.model, weight_only)
+        self.quantization = quantization or torchao_config
         self.model.eval()
         self.model.set_batch_invariant(deterministic)
         self.prepacked = weight_prepack is not False and self.model.prepack(force=weight_prepack is True)
@@ -166,7 +176,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             self.load_seconds,
-            ", GGUF weights kept quantized" if quantization else "",
+            f", weights quantized ({self.quantization})" if self.quantization else "",
             ", weights prepacked for oneDNN" if self.prepacked else "",
             ", deterministic inference (batch-invariant GEMMs)" if deterministic else "",
         )
