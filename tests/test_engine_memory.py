@@ -203,6 +203,26 @@ def test_runner_sizes_its_pool_within_the_memory_limit(tiny_model, monkeypatch, 
     assert r.max_total_tokens == 3000
 
 
+def test_start_up_line_prints_weight_pool_and_resident_bytes(tiny_model, caplog):
+    from radixserve.engine.model.runner import ModelRunner
+
+    r = ModelRunner(tiny_model, dtype="float32", device="cpu", max_total_tokens=64, torch_compile=False)
+    with caplog.at_level(logging.INFO, logger="radixserve.engine.model.runner"):
+        r.warmup()
+    line = next(m for m in caplog.messages if m.startswith("start-up: load"))
+    want = f"weights {sizing.format_bytes(r.weight_bytes())}, KV pool {sizing.format_bytes(r.kv_pool.total_bytes())}"
+    assert want in line
+    rss = sizing.process_rss_bytes()
+    assert rss is not None and rss > r.weight_bytes() and ", RSS " in line
+
+
+def test_process_rss_reads_vmrss_and_is_none_without_proc(tmp_path):
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "status").write_text("Name:\tpython\nVmRSS:\t  123456 kB\n")
+    assert sizing.process_rss_bytes(str(tmp_path)) == 123456 * 1024
+    assert sizing.process_rss_bytes(str(tmp_path / "missing")) is None
+
+
 def test_engine_whose_fraction_cannot_hold_a_context_exits_non_zero_with_one_line(tiny_model, capsys):
     flags = ["--mem-fraction-static", "0.0000001", "--device", "cpu", "--port", "0"]
     status = main(["engine", "--model-path", tiny_model, *flags])

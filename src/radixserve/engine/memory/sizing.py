@@ -86,6 +86,18 @@ def mem_total_bytes(proc_root: str = "/proc") -> int:
     raise OSError(f"no MemTotal in {proc_root}/meminfo")
 
 
+def process_rss_bytes(proc_root: str = "/proc") -> int | None:
+    """This process's resident set size (VmRSS of ``/proc/self/status``) in bytes; None where it cannot be read."""
+    try:
+        with open(os.path.join(proc_root, "self", "status")) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def memory_limit_bytes(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int:
     """The memory this process may use, in bytes: the cgroup limit when one is set, else MemTotal (the smaller)."""
     total = mem_total_bytes(proc_root)

@@ -18,7 +18,13 @@ from radixserve.engine.attention.base import create_attention_backend
 from radixserve.engine.context_length import check_context_length
 from radixserve.engine.cpu_threads import bind_omp_threads, resolve_bind
 from radixserve.engine.memory.kv_pool import KVPool
-from radixserve.engine.memory.sizing import PoolSize, format_bytes, memory_limit_bytes, size_kv_pool
+from radixserve.engine.memory.sizing import (
+    PoolSize,
+    format_bytes,
+    memory_limit_bytes,
+    process_rss_bytes,
+    size_kv_pool,
+)
 from radixserve.engine.model.compile import CompiledLayers, compile_cache_dir, configure_compile_cache
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
@@ -229,6 +235,19 @@ class ModelRunner:
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
         return sum(t.numel() * t.element_size() for t in tensors) + self.model.packed_bytes()
 
+    def memory_summary(self) -> str:
+        """``weights 210 MiB (int4wo-32), KV pool 2.0 GiB, RSS 2.6 GiB``: for the start-up log line (RSS: this
+        process's resident memory, which also holds torch, the tokenizer and compiled kernels; CPU only)."""
+        rss = process_rss_bytes() if self.device.type == "cpu" else None
+        return ", ".join(
+            [
+                f"weights {format_bytes(self.weight_bytes())}"
+                + (f" ({self.quantization})" if self.quantization else ""),
+                f"KV pool {format_bytes(self.kv_pool.total_bytes())}",
+            ]
+            + ([f"RSS {format_bytes(rss)}"] if rss is not None else [])
+        )
+
     def _size_kv_pool(self, max_total_tokens: int | None, mem_fraction_static: float | None) -> PoolSize:
         """The pool from the flags and the memory after the load (``size_kv_pool``; raises its ValueError)."""
         cfg = self.model_config
@@ -266,9 +285,10 @@ class ModelRunner:
         if self.compiled is None:
             first = self._timed_forwards([ForwardBatch.build(ForwardMode.EXTEND, [[0]], [[0]], device=self.device)])
             logger.info(
-                "start-up: load %.1f s, compile 0.0 s, warm-up %.1f s (eager: torch.compile off)",
+                "start-up: load %.1f s, compile 0.0 s, warm-up %.1f s (eager: torch.compile off); %s",
                 self.load_seconds,
                 first,
+                self.memory_summary(),
             )
             return
         # the first batch compiles both layer graphs; the others check they serve decode and batch 1 unchanged
@@ -280,7 +300,11 @@ class ModelRunner:
         first = self._timed_forwards(batches)
         warm = self._timed_forwards(batches)  # compiled by now: what is left of the first pass is the compile
         logger.info(
-            "start-up: load %.1f s, compile %.1f s, warm-up %.1f s", self.load_seconds, max(0.0, first - warm), warm
+            "start-up: load %.1f s, compile %.1f s, warm-up %.1f s; %s",
+            self.load_seconds,
+            max(0.0, first - warm),
+            warm,
+            self.memory_summary(),
         )
 
     def _timed_forwards(self, batches: list[ForwardBatch]) -> float:
