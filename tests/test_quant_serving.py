@@ -71,6 +71,11 @@ def test_the_gguf_served_as_stored_answers_the_openai_api(tmp_path):
             again = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
             details = again.usage.prompt_tokens_details if again.usage else None
             assert details is not None and details.cached_tokens  # the radix cache serves the quantized model too
+            info = httpx.get(url + "/get_model_info", timeout=10).json()
+            # 134.5 M parameters: 269 MB in bfloat16. Served: 4-bit projections (66 MB), the file's Q8_0 embedding
+            # (30 MB) and the tied LM head in bfloat16 (57 MB)
+            assert info["quantization"] == "gguf" and info["kv_pool_bytes"] > 0
+            assert 0 < info["weight_bytes"] < 0.6 * 269e6
         finally:
             proc.terminate()
             proc.wait(timeout=60)

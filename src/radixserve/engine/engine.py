@@ -346,6 +346,9 @@ class Engine:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": str(self.runner.device),
             "max_total_tokens": self.runner.max_total_tokens,
+            "quantization": self.runner.quantization,  # None, "gguf" or a --torchao-config
+            "weight_bytes": self.runner.weight_bytes(),
+            "kv_pool_bytes": self.runner.kv_pool.total_bytes(),
             "max_running_requests": self.args.max_running_requests,
             "schedule_policy": self.args.schedule_policy,
             "disable_radix_cache": self.args.disable_radix_cache,
