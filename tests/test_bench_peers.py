@@ -79,11 +79,15 @@ def test_running_stops_the_server_when_the_measurement_raises(peers: ModuleType,
         ready=lambda client: pidfile.exists(),
     )
     with pytest.raises(RuntimeError, match="measurement failed"):
-        with peers.running(spec, str(tmp_path), timeout_s=10) as startup:
+        with peers.running(spec, str(tmp_path), timeout_s=10) as (startup, pgid):
             assert startup >= 0
             pid = _wait_pids(pidfile, 1)[0]
+            assert pgid == pid  # sh exec'd sleep: the group leader
+            rss, peak = peers.group_memory(pgid)
+            assert 0 < rss <= peak
             raise RuntimeError("measurement failed")
     assert not _alive(pid)
+    assert peers.group_memory(pid) == (0, 0)
     assert (tmp_path / "fake.log").exists()
 
 
@@ -180,6 +184,25 @@ def test_ratios_and_targets(peers: ModuleType) -> None:
         "engine_fresh_ttft_le_vllm": False,
     }
     assert peers.ratios({"engine": results["engine"]})["ratios"] is None
+
+
+def test_q4_targets_over_llamacpp_and_vllm(peers: ModuleType) -> None:
+    base = {"wall_s": 10.0, "output_tok_s": 40.0, "mean_ttft_s": 5.0, "decode_tok_s": 90.0, "fresh_ttft_s": 1.0}
+    results = {
+        "vllm": {**base, "output_tok_s": 100.0, "rss_mib": 3000.0},
+        "llamacpp": {**base, "rss_mib": 300.0},
+        "engine-q4": {**base, "output_tok_s": 160.0, "decode_tok_s": 99.0, "rss_mib": 500.0, "kv_pool_mib": 150.0},
+    }
+    out = peers.ratios(results)
+    assert out["over_llamacpp"]["engine-q4"]["output_tok_s"] == 4.0
+    assert out["targets_q4"] == {
+        "q4_decode_tok_s_ge_1.0x_llamacpp": True,
+        "q4_output_tok_s_ge_3x_llamacpp": True,
+        "q4_rss_le_llamacpp_plus_kv_pool": False,  # 500 > 300 + 150
+        "q4_output_tok_s_ge_1.5x_vllm": True,
+    }
+    no_vllm = peers.ratios({k: v for k, v in results.items() if k != "vllm"})
+    assert no_vllm["ratios"] is None and "q4_output_tok_s_ge_1.5x_vllm" not in no_vllm["targets_q4"]
 
 
 def test_vllm_dtype_follows_avx512_bf16(peers: ModuleType) -> None:
