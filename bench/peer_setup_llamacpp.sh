@@ -5,10 +5,9 @@
 # There is no CPU wheel on PyPI: pip builds llama.cpp from the sdist (scikit-build-core + CMake >= 3.21 + Ninja + a
 # C/C++ compiler; gcc 12 and CMake 3.25 are enough; scikit-build-core fetches cmake/ninja from PyPI into its build
 # environment when they are missing or too old). About 15 minutes (896-923 s) on 2 cores, once.
-# The build is HOST-SPECIFIC: CMAKE_ARGS names this workplace's Intel Xeon's ISA (AVX2, FMA, F16C, BMI2, AVX_VNNI and
-# AVX-512 F/CD/VL/DQ/BW + VBMI + VNNI + BF16) with GGML_NATIVE=OFF, so it dies with SIGILL on a CPU without AVX-512;
-# there set CMAKE_ARGS, e.g. "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" (AVX2 only), and rebuild
-# (delete the venv first). Not -DGGML_NATIVE=ON: -march=native also compiles ggml's AMX kernels (cpuinfo lists
+# The build is HOST-SPECIFIC: CMAKE_ARGS turns on the ggml ISA switches this CPU's /proc/cpuinfo flags list (AVX2,
+# FMA, F16C, BMI2, AVX_VNNI, AVX-512 F + VBMI + VNNI + BF16) with GGML_NATIVE=OFF, so a venv built on one CPU may die
+# with SIGILL on another: delete the venv and rebuild there. Not -DGGML_NATIVE=ON: -march=native also compiles ggml's AMX kernels (cpuinfo lists
 # amx_tile/int8/bf16 here), and their first `ldtilecfg` kills the server with SIGSEGV in ggml_backend_amx_mul_mat on
 # this VM as soon as a prompt of 2+ tokens is decoded (seen with 0.3.36; one-token prompts pass).
 #
@@ -31,8 +30,13 @@ then
   exit 0
 fi
 
-ISA="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON"
-ISA+=" -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+# The ggml ISA switches from this CPU's flags (what -march=native would pick, AMX left out: see above).
+flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+ISA="-DGGML_NATIVE=OFF"
+for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+  avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+  if [[ $flags == *" ${pair%%:*} "* ]]; then ISA+=" -DGGML_${pair#*:}=ON"; else ISA+=" -DGGML_${pair#*:}=OFF"; fi
+done
 ISA+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 export CMAKE_ARGS=${CMAKE_ARGS:-$ISA}
 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
