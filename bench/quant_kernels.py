@@ -12,7 +12,12 @@ path today; < 1 is faster). Variants:
 - ``q4-fp32``: the same kernel with float32 activations and scales (x cast up and the output cast back included);
   only bfloat16 has a vectorized (AVX-512 / AVX2) kernel, float32 and float16 run a scalar loop: rows <= 8 only.
 - ``q4-hybrid``: what ``Int4Linear`` runs (``int4_cpu.int4_linear``): the kernel up to ``DEQUANT_ROWS`` rows, above
-  them the weight dequantized (eager torch ops) and ``F.linear``.
+  them the weight dequantized from the packed bytes (compiled by inductor: ``prepare_dequantize``) and ``F.linear``.
+- ``q4-deq``: the dequantized path at every row count (``dequant_rows = 0``: where ``DEQUANT_ROWS`` should be);
+  ``q4-deq-eager``: the same, the dequantization by the eager torch ops (``dequantize``
+  unprepared: what runs where inductor cannot compile); ``q4-deq-ref``: the reference ``dequantize_codes`` (float32
+  passes over plain codes, one byte a code: the path before the codes were read from the packed bytes) and
+  ``F.linear``; ``deq-only``: the compiled dequantization alone. Rows > 8 only.
 - ``q8-split``: Q8_0 as two int4 halves along K (``quant/affine.py``), bfloat16, the activation given twice.
 - ``int8-chan``: ``aten._weight_int8pack_mm``, int8 with ONE scale per output row: not Q8_0's per-32 scales, so not
   exact for GGUF; listed as the int8 kernel's speed.
@@ -42,12 +47,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import cpu_info  # noqa: E402
 from radixserve.engine.model import prepack  # noqa: E402
+from radixserve.engine.model.quant import int4_cpu  # noqa: E402
 from radixserve.engine.model.quant.affine import Int4Affine  # noqa: E402
 from radixserve.engine.model.quant.int4_cpu import int4_linear, int4_mm, pack  # noqa: E402
 
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 960), (576, 3072), (576, 49152)]
 BASELINE = "bf16-packed"
-NAMES = (BASELINE, "bf16-dense", "q4-bf16", "q4-hybrid", "q8-split", "int8-chan", "q4-fp32", "dyn-q4")
+NAMES = (BASELINE, "bf16-dense", "q4-bf16", "q4-hybrid", "q4-deq", "q4-deq-eager", "q4-deq-ref", "deq-only")
+NAMES += ("q8-split", "int8-chan", "q4-fp32", "dyn-q4")
 
 
 class _Owner:
@@ -64,6 +71,7 @@ def _variants(k: int, n: int, rows: int, gen: torch.Generator) -> dict[str, Call
     d = (torch.rand(n, groups, generator=gen) * 0.01).half()
     q4 = Int4Affine.from_q4_1(codes, d, (-8 * d.float()).half())
     p_bf16, p_fp32 = pack(q4, torch.bfloat16), pack(q4, torch.float32)
+    int4_cpu.prepare_dequantize(p_bf16.weight, p_bf16.scale_zeros, 1)  # as Int4Linear.load: compiled before timing
     q8 = pack(
         Int4Affine.from_q8_0(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), d), torch.bfloat16
     )
@@ -76,10 +84,19 @@ def _variants(k: int, n: int, rows: int, gen: torch.Generator) -> dict[str, Call
         BASELINE: lambda: prepack.packed_linear(x, handle, n) if owner else x,
         "bf16-dense": lambda: F.linear(x, w_bf16),
         "q4-bf16": lambda: int4_mm(x, p_bf16.weight, p_bf16.scale_zeros, 1),
-        "q4-hybrid": lambda: int4_linear(x, p_bf16.weight, p_bf16.codes, p_bf16.scale_zeros, 1),
+        "q4-hybrid": lambda: int4_linear(x, p_bf16.weight, p_bf16.scale_zeros, 1),
         "q8-split": lambda: int4_mm(x, q8.weight, q8.scale_zeros, 2),
         "int8-chan": lambda: torch.ops.aten._weight_int8pack_mm(x, w_i8, s_i8),
     }
+    if rows > 8:
+        layout = int4_cpu.pack_layout()
+        assert layout is not None, "unknown int4 packing layout"
+        out["q4-deq"] = lambda: int4_linear(x, p_bf16.weight, p_bf16.scale_zeros, 1, 0)
+        out["q4-deq-eager"] = lambda: F.linear(
+            x, int4_cpu._dequantize_t(p_bf16.weight, *int4_cpu._split(p_bf16.scale_zeros), 1, layout).T
+        )
+        out["q4-deq-ref"] = lambda: F.linear(x, int4_cpu.dequantize_codes(codes, p_bf16.scale_zeros, 1, x.dtype))
+        out["deq-only"] = lambda: int4_cpu.dequantize(p_bf16.weight, p_bf16.scale_zeros, 1)
     if rows <= 8:  # both are scalar loops on x86: minutes per prefill-sized call
         out["q4-fp32"] = lambda: int4_mm(x32, p_fp32.weight, p_fp32.scale_zeros, 1).bfloat16()
         scales = (torch.rand(n, groups, generator=gen) * 0.01).float()

