@@ -4,6 +4,8 @@ transformers-dequantized path, and one real tensor of the demo file."""
 
 from __future__ import annotations
 
+import logging
+
 import gguf
 import numpy as np
 import pytest
@@ -242,7 +244,7 @@ def _write_tiny_gguf(path: str, linear_type: str) -> None:
     def norm(name: str) -> None:
         writer.add_tensor(name, (1 + 0.2 * rng.standard_normal(HIDDEN)).astype(np.float32))
 
-    lin = TYPES[linear_type][0]
+    lin = TYPES[linear_type][0] if linear_type in TYPES else QT[linear_type]
     matrix("token_embd.weight", VOCAB, HIDDEN, QT.Q8_0)  # tied LM head, as SmolLM2's
     norm("output_norm.weight")
     for i in range(2):
@@ -275,6 +277,40 @@ def test_a_tiny_gguf_model_kept_quantized_matches_the_dequantized_one(linear_typ
     prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     batch = ForwardBatch.build(ForwardMode.EXTEND, [prompt], [list(range(1, 13))])
     torch.testing.assert_close(quant.forward(batch), dense.forward(batch), atol=1e-4, rtol=1e-4)
+
+
+def _int4_modules(runner: ModelRunner) -> int:
+    return sum(isinstance(m, Int4Linear) for m in runner.model.modules())
+
+
+def test_a_gguf_stays_quantized_by_default_on_cpu_in_bfloat16(tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    _write_tiny_gguf(path, "Q4_1")
+    kw = dict(device="cpu", max_total_tokens=64, weight_prepack=False)
+    auto = ModelRunner(path, dtype="bfloat16", **kw)
+    assert auto.quantization == "gguf" and _int4_modules(auto) == 2 * 4
+    # asked dense, or float32 (the int4 kernel is a scalar loop there): dequantized
+    for dense in (
+        ModelRunner(path, dtype="bfloat16", quantization="none", **kw),
+        ModelRunner(path, **kw | {"dtype": "float32"}),
+    ):
+        assert dense.quantization is None and _int4_modules(dense) == 0
+
+
+def test_a_gguf_type_it_cannot_keep_is_dequantized_by_default_and_named(tmp_path, caplog):
+    path = str(tmp_path / "tiny-q5.gguf")
+    _write_tiny_gguf(path, "Q5_0")
+    kw = dict(dtype="bfloat16", device="cpu", max_total_tokens=64, weight_prepack=False)
+    with caplog.at_level(logging.WARNING, logger="radixserve.engine.model.runner"):
+        auto = ModelRunner(path, **kw)
+    assert auto.quantization is None and _int4_modules(auto) == 0
+    assert "GGML type Q5_0" in caplog.text and "dequantized to bfloat16 instead" in caplog.text
+    with pytest.raises(UnsupportedGGUFType, match=r"attn_q\.weight: GGML type Q5_0"):
+        ModelRunner(path, quantization="gguf", **kw)
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    batch = ForwardBatch.build(ForwardMode.EXTEND, [prompt], [list(range(1, 13))])
+    dense = ModelRunner(path, quantization="none", **kw)
+    assert torch.equal(auto.forward(batch), dense.forward(batch))  # the fallback is the plain dense load
 
 
 def test_quantization_needs_a_gguf_file(tmp_path):

@@ -59,7 +59,7 @@ class EngineArgs:
     # Projections and LM head prepacked for oneDNN on CPU (engine/model/prepack.py); this flag keeps F.linear.
     disable_weight_prepack: bool = False
     # GGUF weights kept quantized on CPU (engine/model/quant/): opt-in while it is new; None dequantizes to --dtype.
-    quantization: str | None = None  # gguf
+    quantization: str | None = None  # gguf | none; None: gguf where it applies (ModelRunner)
     # A dense checkpoint's projections quantized at load on CPU (engine/model/quant/on_load.py): int8wo | int4wo-G
     torchao_config: str | None = None
     # Batch-invariant logits (engine/model/batch_invariant.py, deterministic TorchBackend): a request's output
@@ -110,7 +110,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ATTENTION_BACKENDS,
     "log_level": LOG_LEVELS,
     "reasoning_parser": ("think",),
-    "quantization": ("gguf",),
+    "quantization": ("gguf", "none"),
     "torchao_config": TORCHAO_CONFIGS,
 }
 # Integer flags and their least valid value; None (where the field allows it) keeps its documented default.
@@ -171,8 +171,9 @@ HELP: dict[str, str] = {
     "~/.cache/radixserve/torch-compile)",
     "disable_weight_prepack": "keep dense weights and F.linear on CPU (for debugging; default: bfloat16 / "
     "float16 weights prepacked for oneDNN where the CPU supports them; float32 stays dense, MKL is faster there)",
-    "quantization": "gguf: keep a .gguf model's Q4_0 / Q4_1 / Q8_0 weights quantized on CPU (int4 GEMMs; "
-    "default: dequantize them to --dtype)",
+    "quantization": "gguf: keep a .gguf model's Q4_0 / Q4_1 / Q8_0 weights quantized (CPU only; int4 GEMMs; other "
+    "GGML types are an error); none: dequantize them to --dtype (default: gguf for a .gguf on CPU in bfloat16 "
+    "whose types it can keep, else dequantized, with a log line saying why)",
     "torchao_config": "weight-only quantization of a dense checkpoint's projections at load on CPU (SGLang's flag): "
     "int8wo (int8, a scale per output row) or int4wo-G (4-bit, a scale and zero per G inputs); embedding and LM head "
     "stay in --dtype (default: none)",

@@ -31,6 +31,7 @@ from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.model.forward_context import forward_context
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_weights
+from radixserve.engine.model.quant.gguf_file import UnsupportedGGUFType
 from radixserve.engine.model.quant.load import load_gguf_quantized
 from radixserve.engine.model.quant.on_load import WeightOnlyConfig, quantize_projections
 
@@ -113,8 +114,9 @@ class ModelRunner:
         torch_compile_cache_dir: compile artifacts (default ``compile_cache_dir()``).
         weight_prepack: prepack the projections and the LM head for oneDNN (``prepack.py``): ``None`` where it pays
             (``prepack_pays``: bfloat16 / float16 on CPU), True wherever supported (float32 too), False never.
-        quantization: ``None`` (weights dequantized to ``dtype``) or ``"gguf"``: a ``.gguf`` file's Q4_0 / Q4_1 /
-            Q8_0 projections, embedding and LM head kept quantized (``model/quant/load.py``; CPU only).
+        quantization: ``"gguf"``: a ``.gguf`` file's Q4_0 / Q4_1 / Q8_0 projections, embedding and LM head kept
+            quantized (``model/quant/load.py``; CPU only); ``"none"``: dequantized to ``dtype``; ``None``: ``"gguf"``
+            for a ``.gguf`` on CPU in bfloat16 whose types it can keep, else dequantized (``_load_gguf``).
         torchao_config: ``"int8wo"`` or ``"int4wo-G"``: the projections of a dense checkpoint quantized at load
             (``model/quant/on_load.py``; CPU only); not with ``quantization``.
 
@@ -147,8 +149,8 @@ class ModelRunner:
     ) -> None:
         if not os.path.exists(model_path):
             raise FileNotFoundError(model_path)
-        if quantization not in (None, "gguf"):
-            raise ValueError(f"unknown quantization {quantization!r}; choose gguf")
+        if quantization not in (None, "gguf", "none"):
+            raise ValueError(f"unknown quantization {quantization!r}; choose gguf or none")
         if quantization == "gguf" and not model_path.endswith(".gguf"):
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {model_path}")
         weight_only = WeightOnlyConfig.parse(torchao_config) if torchao_config else None
@@ -163,9 +165,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.model = LlamaForCausalLM(cfg, self.dtype, device="meta")
-            if quantization == "gguf":
-                load_gguf_quantized(self.model, model_path, self.device, self.dtype)
-            else:
+            quantization = self._load_gguf(model_path, quantization, torchao_config is not None)
+            if quantization is None:
                 self.model.materialize(self.device, self.dtype)
                 load_weights(self.model, model_path)
                 if weight_only is not None:
@@ -217,6 +218,35 @@ class ModelRunner:
             cache = configure_compile_cache(compile_cache_dir(torch_compile_cache_dir), torch.get_num_threads())
             self.compiled = CompiledLayers(torch_compile_max_bs)
             logger.info("torch.compile on (inductor, %d threads), cache %s", torch.get_num_threads(), cache)
+
+    def _load_gguf(self, model_path: str, quantization: str | None, dense_asked: bool) -> str | None:
+        """Load a ``.gguf`` kept quantized where asked (``"gguf"``) or by default; returns ``"gguf"`` when it did,
+        else None (the caller loads dense weights).
+
+        The default (``quantization`` None) keeps a ``.gguf`` quantized on CPU in bfloat16, where the int4 kernel is
+        vectorized, unless ``--torchao-config`` asks for dense weights; a file with a GGML type it cannot keep
+        (``UnsupportedGGUFType``, found before anything is allocated) is then dequantized, with a warning naming the
+        type. Elsewhere (CUDA, float32 / float16 on CPU) the default dequantizes, with an INFO line saying why.
+        ``"gguf"`` raises what ``load_gguf_quantized`` raises; ``"none"`` always dequantizes.
+        """
+        if quantization == "none" or not model_path.endswith(".gguf") or dense_asked:
+            return None
+        if quantization is None and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
+            logger.info(
+                "%s dequantized to %s: GGUF weights stay quantized by default on CPU in bfloat16 only",
+                model_path,
+                str(self.dtype).removeprefix("torch."),
+            )
+            return None
+        try:
+            load_gguf_quantized(self.model, model_path, self.device, self.dtype)
+        except UnsupportedGGUFType as e:
+            if quantization == "gguf":
+                raise
+            self.model = LlamaForCausalLM(self.model_config, self.dtype, device="meta")  # undo any module swaps
+            logger.warning("%s; dequantized to %s instead", e, str(self.dtype).removeprefix("torch."))
+            return None
+        return "gguf"
 
     def _set_threads(self, num_threads: int | None, bind: str) -> dict[int, int]:
         """``torch.set_num_threads`` and, on CPU, the OpenMP pinning; ``{thread id: cpu}`` of what was pinned."""

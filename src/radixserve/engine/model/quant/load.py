@@ -68,7 +68,7 @@ def affine_from_gguf(t: GGUFTensor) -> Int4Affine:
         return Int4Affine.from_q8_0(*split_q8_0(t.raw_rows()))
     raise UnsupportedGGUFType(
         f"{t.name}: GGML type {t.type_name} cannot be kept quantized (supported: Q4_0, Q4_1, Q8_0; "
-        f"{', '.join(DENSE_TYPES)} load dense); load without --quantization gguf to dequantize it"
+        f"{', '.join(DENSE_TYPES)} load dense); --quantization none dequantizes it"
     )
 
 
