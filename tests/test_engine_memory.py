@@ -294,3 +294,17 @@ def test_model_weight_bytes_counts_the_weight_files(tmp_path):
     assert local_stack.model_weight_bytes(str(tmp_path)) == 150
     (tmp_path / "m.gguf").write_bytes(b"x" * 70)
     assert local_stack.model_weight_bytes(str(tmp_path / "m.gguf")) == 70
+
+
+@pytest.mark.skipif(sizing.process_rss_bytes() is None, reason="no /proc/self/status")
+def test_freed_heap_memory_goes_back_to_the_os():
+    """The pattern of a load: many heap blocks freed between ones still alive stay resident until trimmed."""
+    blocks = [bytearray(b"x" * 65536) for _ in range(3000)]  # 192 MiB of blocks below glibc's mmap threshold
+    alive = blocks[::10]
+    del blocks
+    before = sizing.process_rss_bytes()
+    assert sizing.release_freed_memory()
+    after = sizing.process_rss_bytes()
+    assert before is not None and after is not None
+    assert before - after > 100 * 2**20, (before, after)
+    assert len(alive) == 300

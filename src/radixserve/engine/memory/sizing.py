@@ -20,6 +20,9 @@ cut to the pool (``Engine.context_length``). Pure Python (no torch): ``radixserv
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 from dataclasses import dataclass
 
@@ -96,6 +99,20 @@ def process_rss_bytes(proc_root: str = "/proc") -> int | None:
     except OSError:
         return None
     return None
+
+
+def release_freed_memory() -> bool:
+    """Hand the C heap's freed pages back to the OS (glibc ``malloc_trim(0)``, after a ``gc.collect``): loading
+    parses files and builds temporaries, and glibc keeps the freed memory between live objects as resident (measured
+    on the demo GGUF: 135 MiB of a 680 MiB process after the load). Returns False where the C library has no
+    ``malloc_trim`` (musl, macOS); never raises."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def memory_limit_bytes(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int:

@@ -23,6 +23,7 @@ from radixserve.engine.memory.sizing import (
     format_bytes,
     memory_limit_bytes,
     process_rss_bytes,
+    release_freed_memory,
     size_kv_pool,
 )
 from radixserve.engine.model.compile import CompiledLayers, compile_cache_dir, configure_compile_cache
@@ -311,9 +312,11 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Warm-up forwards written to the dummy slot 0 (no usable slot is touched); with ``torch_compile`` they
-        compile every graph the engine will use, so no request waits for a compile. Logs the start-up split."""
+        compile every graph the engine will use, so no request waits for a compile. Then the memory the load and
+        compile freed goes back to the OS (``release_freed_memory``). Logs the start-up split."""
         if self.compiled is None:
             first = self._timed_forwards([ForwardBatch.build(ForwardMode.EXTEND, [[0]], [[0]], device=self.device)])
+            release_freed_memory()
             logger.info(
                 "start-up: load %.1f s, compile 0.0 s, warm-up %.1f s (eager: torch.compile off); %s",
                 self.load_seconds,
@@ -329,6 +332,7 @@ class ModelRunner:
         ]
         first = self._timed_forwards(batches)
         warm = self._timed_forwards(batches)  # compiled by now: what is left of the first pass is the compile
+        release_freed_memory()
         logger.info(
             "start-up: load %.1f s, compile %.1f s, warm-up %.1f s; %s",
             self.load_seconds,
