@@ -25,8 +25,8 @@ run reuses a cache another run filled; medians are reported):
 (b) batch-1 decode of 128 tokens: ``decode_tok_s`` = (tokens - 1) / (last - first content chunk), i.e. 1 / mean ITL;
 (c) TTFT of a fresh ~1,000-token prompt (streamed; time to the first chunk with content): ``fresh_ttft_s``.
 ``engine-q4`` is one engine on the same GGUF as llama.cpp, kept quantized (``--quantization gguf``).
-``rss_mib`` is the resident memory of the server's whole process group after the workloads (``peak_rss_mib``: the sum
-of each process's peak); an engine's row adds its weight and KV pool sizes from ``/get_model_info``.
+``rss_mib`` is the resident memory of the server and every process below it after the workloads (``peak_rss_mib``:
+the sum of each process's peak); an engine's row adds its weight and KV pool sizes from ``/get_model_info``.
 ``startup_s`` is launch to ready (vLLM: ``/health``; llama.cpp: ``/v1/models``, answered once the model is loaded;
 engine: ``/health``; stack: the router's ``/health`` with every engine routable).
 
@@ -228,7 +228,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 @contextlib.contextmanager
 def running(spec: ServerSpec, log_dir: str, timeout_s: float) -> Iterator[tuple[float, int]]:
-    """Start ``spec`` in its own process group, yield (its start-up time in seconds once ready, the group id), stop it
+    """Start ``spec`` in its own process group, yield (its start-up time in seconds once ready, its pid), stop it
     after."""
     logfile = os.path.join(log_dir, f"{spec.name}.log")
     log(f"{spec.name}: starting ({shlex.join(spec.argv)}); log {logfile}")
@@ -260,21 +260,20 @@ def running(spec: ServerSpec, log_dir: str, timeout_s: float) -> Iterator[tuple[
         log(f"{spec.name}: stopped")
 
 
-def group_memory(pgid: int) -> tuple[int, int]:
-    """(resident bytes now, sum of each process's peak resident bytes) of every process in group ``pgid`` (a server
-    and all it spawned: the stack's router and engines, vLLM's workers), from /proc/<pid>/status VmRSS and VmHWM."""
+def tree_memory(root: int) -> tuple[int, int]:
+    """(resident bytes now, sum of each process's peak resident bytes) of ``root`` and every process below it (a
+    server and all it spawned: the stack's router and engines, which start sessions of their own, vLLM's workers),
+    from /proc/<pid>/status VmRSS and VmHWM."""
     rss = hwm = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in descendants(root):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:  # field 5: process group
-                    continue
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
                     key, _, value = line.partition(":")
-                    if key in ("VmRSS", "VmHWM"):
-                        kib = int(value.split()[0]) * 1024
-                        rss, hwm = (rss + kib, hwm) if key == "VmRSS" else (rss, hwm + kib)
+                    if key == "VmRSS":
+                        rss += int(value.split()[0]) * 1024
+                    elif key == "VmHWM":
+                        hwm += int(value.split()[0]) * 1024
         except (OSError, ValueError, IndexError):  # the process ended meanwhile
             continue
     return rss, hwm
@@ -667,11 +666,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         before = wait_quiet(args.max_other_cores, args.quiet_wait_s)
         spec = launch[name]
-        with running(spec, args.log_dir, args.startup_timeout_s) as (startup, pgid):
+        with running(spec, args.log_dir, args.startup_timeout_s) as (startup, pid):
             window = CpuWindow().start()
             runs = asyncio.run(measure(spec, prompts, sizes, repeats))
             during = window.cores()
-            rss, peak = group_memory(pgid)
+            rss, peak = tree_memory(pid)
             info = engine_info(spec) if name.startswith("engine") else {}
         extra = {"other_cores_before": round(before, 2), "other_cores_during": round(during, 2), "cores": cores}
         extra |= {"rss_mib": round(rss / 2**20, 1), "peak_rss_mib": round(peak / 2**20, 1), **info}

@@ -79,15 +79,15 @@ def test_running_stops_the_server_when_the_measurement_raises(peers: ModuleType,
         ready=lambda client: pidfile.exists(),
     )
     with pytest.raises(RuntimeError, match="measurement failed"):
-        with peers.running(spec, str(tmp_path), timeout_s=10) as (startup, pgid):
+        with peers.running(spec, str(tmp_path), timeout_s=10) as (startup, root):
             assert startup >= 0
             pid = _wait_pids(pidfile, 1)[0]
-            assert pgid == pid  # sh exec'd sleep: the group leader
-            rss, peak = peers.group_memory(pgid)
+            assert root == pid  # sh exec'd sleep
+            rss, peak = peers.tree_memory(root)
             assert 0 < rss <= peak
             raise RuntimeError("measurement failed")
     assert not _alive(pid)
-    assert peers.group_memory(pid) == (0, 0)
+    assert peers.tree_memory(pid) == (0, 0)
     assert (tmp_path / "fake.log").exists()
 
 
