@@ -300,17 +300,26 @@ class TorchBackend(AttentionBackend):
 
         On CPU: ATen's flash-attention kernel (returns the log-sum-exp); elsewhere a float32 matmul softmax.
         """
+        bias = None
+        if mask is not None:
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        return self._attend_lse_bias(q, k, v, bias)
+
+    def _attend_lse_bias(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_attend_lse`` with an additive ``bias`` (0 or ``-inf``; any dtype, broadcastable to ``[N, H, M, L]``)
+        for ``q`` ``[N, H, M, D]``, ``k``/``v`` ``[N, H, L, D]`` -> float32 ``o`` ``[N, H, M, D]``, ``lse``
+        ``[N, H, M]``. Every query row must see one key."""
         if q.device.type == "cpu":
-            bias = None
-            if mask is not None:  # the CPU flash kernel takes an additive mask in the query dtype
-                bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            attn_mask = None if bias is None else bias.to(q.dtype)  # the CPU flash kernel: the query's dtype
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, attn_mask=bias, scale=self.scale
+                q, k, v, attn_mask=attn_mask, scale=self.scale
             )[:2]
             return o.float(), lse.float()
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+        if bias is not None:
+            scores = scores + bias.float()
         lse = torch.logsumexp(scores, dim=-1)
         return torch.matmul((scores - lse.unsqueeze(-1)).exp(), v.float()), lse
 
@@ -385,31 +394,28 @@ class TorchBackend(AttentionBackend):
         B, L, Hkv, D, G = q.shape[0], meta.max_len, self.num_kv_heads, self.head_dim, self.group
         dt = q.dtype
         k_rows, v_rows = k_buf.view(-1, D), v_buf.view(-1, D)  # [num_slots * Hkv, D], no copy
-        keys = k_rows.index_select(0, meta.gather).view(Hkv * B, L, D).to(dt)
-        vals = v_rows.index_select(0, meta.gather).view(Hkv * B, L, D).to(dt)
+        keys = k_rows.index_select(0, meta.gather).view(Hkv, B, L, D).to(dt)
+        vals = v_rows.index_select(0, meta.gather).view(Hkv, B, L, D).to(dt)
         if B == 1 and meta.bias is None and not meta.groups:
             # one fused kernel: two oneDNN bf16 bmm calls cost ~40 us each at any length here (call overhead)
             o1 = F.scaled_dot_product_attention(
                 q.view(1, Hkv, G, D), keys.view(1, Hkv, L, D), vals.view(1, Hkv, L, D), scale=self.scale
             )
             return o1.reshape(1, Hkv * G * D)
-        qh = (q * self.scale).view(B, Hkv, G, D).transpose(0, 1)  # [Hkv, B, G, D]
-        scores = torch.bmm(qh.reshape(Hkv * B, G, D), keys.transpose(1, 2)).float().view(Hkv, B, G, L)
-        if meta.bias is not None:
-            scores = scores + meta.bias
+        # the KV heads as the kernel's batch, the sequences as its heads: [Hkv, B, G, D] against [Hkv, B, L, D]
+        qh = q.view(B, Hkv, G, D).transpose(0, 1).contiguous()
+        o, lse = self._attend_lse_bias(qh, keys, vals, meta.bias)  # float32 [Hkv, B, G, D], [Hkv, B, G]
         if not meta.groups:
-            probs = torch.softmax(scores, dim=-1).to(dt).view(Hkv * B, G, L)
-            o = torch.bmm(probs, vals).view(Hkv, B, G, D)
-            return o.transpose(0, 1).reshape(B, Hkv * G * D)
-        o, lse = _partial_attention(scores, vals.view(Hkv, B, L, D), dt)  # float32 [Hkv, B, G, D], [Hkv, B, G, 1]
+            return o.to(dt).transpose(0, 1).reshape(B, Hkv * G * D)
+        lse = lse.unsqueeze(-1)
         for g in meta.groups:
             n = B if g.rows is None else g.rows.numel()
             qg = qh if g.rows is None else qh.index_select(1, g.rows)
-            kp = k_rows.index_select(0, g.gather).view(Hkv, g.length, D).to(dt)
-            vp = v_rows.index_select(0, g.gather).view(Hkv, g.length, D).to(dt)
-            # every query of the group against the shared prefix: one [n*G, D] x [D, length] matmul per KV head
-            sp = torch.bmm(qg.reshape(Hkv, n * G, D), kp.transpose(1, 2)).float().view(Hkv, n, G, g.length)
-            op, lse_p = _partial_attention(sp, vp.unsqueeze(1), dt)
+            kp = k_rows.index_select(0, g.gather).view(1, Hkv, g.length, D).to(dt)
+            vp = v_rows.index_select(0, g.gather).view(1, Hkv, g.length, D).to(dt)
+            # every query of the group against the shared prefix: n * G query rows per KV head, one kernel call
+            op, lse_p = self._attend_lse_bias(qg.reshape(1, Hkv, n * G, D), kp, vp, None)
+            op, lse_p = op.view(Hkv, n, G, D), lse_p.view(Hkv, n, G, 1)
             if g.rows is None:
                 o, lse = _merge(o, lse, op, lse_p)
             else:
@@ -417,27 +423,6 @@ class TorchBackend(AttentionBackend):
                 o.index_copy_(1, g.rows, os_)
                 lse.index_copy_(1, g.rows, ls_)
         return o.to(dt).transpose(0, 1).reshape(B, Hkv * G * D)
-
-
-def _partial_attention(scores: torch.Tensor, vals: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention over one part of the keys, with its log-sum-exp for a later exact merge.
-
-    Args:
-        scores: float32 ``[Hkv, n, G, L]`` scaled logits (``-inf`` where masked; every row has a finite entry).
-        vals: ``[Hkv, n, L, D]`` (or ``[Hkv, 1, L, D]``, shared by all ``n``) values.
-        dt: dtype of the probability x value matmul.
-    Returns:
-        float32 ``o`` ``[Hkv, n, G, D]`` (normalised) and ``lse`` ``[Hkv, n, G, 1]``.
-    """
-    Hkv, n, G, L = scores.shape
-    m = scores.amax(dim=-1, keepdim=True)
-    p = (scores - m).exp_()
-    denom = p.sum(dim=-1, keepdim=True)
-    if vals.shape[1] == 1 and n > 1:  # shared values: fold the n sequences into the matmul's rows
-        o = torch.bmm(p.to(dt).view(Hkv, n * G, L), vals[:, 0]).view(Hkv, n, G, -1)
-    else:
-        o = torch.bmm(p.to(dt).view(Hkv * n, G, L), vals.reshape(Hkv * n, L, -1)).view(Hkv, n, G, -1)
-    return o.float() / denom, m + denom.log()
 
 
 def _fold_heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
