@@ -344,3 +344,13 @@ def test_the_contracts_page_documents_the_opt_in_and_the_bind_failure():
     assert f"`{ALLOW_LONGER_CONTEXT_ENV}=1`" in text and "`max_position_embeddings`" in text
     assert "`radixserve engine` and `radixserve router` bind `--host`/`--port` first" in text
     assert "Ctrl-C stops `radixserve engine` with exit status 0" in text
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_fails_at_start_up(tmp_path):
+    # Regression: a 160-token GGUF served with SmolLM2's tokenizer (--tokenizer-path) started, then the first chat
+    # crashed the scheduler (IndexError in the embedding) and the engine answered 503 to everything after.
+    from radixserve.engine.engine import Engine
+
+    path = write_tiny_model(tmp_path / "small-vocab", vocab_size=1000)
+    with pytest.raises(ValueError, match="has 49,152 tokens, more than the model's vocabulary of 1,000"):
+        Engine(EngineArgs(model_path=path, device="cpu", dtype="float32", max_total_tokens=256))

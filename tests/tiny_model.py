@@ -20,10 +20,11 @@ def write_tiny_model(
     hidden_size: int = 64,
     head_dim: int = 16,
     tokenizer_dir: str = MODEL_DIR,
+    vocab_size: int = 49152,
 ) -> str:
-    """Save the tiny checkpoint (2 layers, 4 query and 2 KV heads of ``head_dim``, ``hidden_size`` wide, vocab 49152)
-    and the tokenizer files of ``tokenizer_dir`` into ``path``; returns the directory. Skips the test when the
-    tokenizer is not there (run ``make install``)."""
+    """Save the tiny checkpoint (2 layers, 4 query and 2 KV heads of ``head_dim``, ``hidden_size`` wide, a vocabulary
+    of ``vocab_size``: by default the tokenizer's 49152) and the tokenizer files of ``tokenizer_dir`` into ``path``;
+    returns the directory. Skips the test when the tokenizer is not there (run ``make install``)."""
     if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
         pytest.skip(f"no tokenizer.json in {tokenizer_dir}; run `make install`")
     import torch
@@ -31,7 +32,7 @@ def write_tiny_model(
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=49152,
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=2,

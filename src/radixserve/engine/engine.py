@@ -128,6 +128,13 @@ class Engine:
         self.context_length = context.tokens
         warn_if_too_short_for_chat(self.context_length, self.tokenizer)
         self.vocab_size = cfg.vocab_size
+        if len(self.tokenizer) > cfg.vocab_size:  # its last ids would index past the embedding: a scheduler crash
+            self._torch_thread.shutdown(wait=False)
+            raise ValueError(
+                f"the tokenizer of {args.tokenizer_path or args.model_path} has {len(self.tokenizer):,} tokens, "
+                f"more than the model's vocabulary of {cfg.vocab_size:,}: give the model's own tokenizer "
+                "(--tokenizer-path)"
+            )
         eos = set(getattr(cfg, "eos_token_ids", None) or [])
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
