@@ -313,6 +313,18 @@ def test_a_gguf_type_it_cannot_keep_is_dequantized_by_default_and_named(tmp_path
     assert torch.equal(auto.forward(batch), dense.forward(batch))  # the fallback is the plain dense load
 
 
+def test_torchao_config_on_a_gguf_quantizes_its_dequantized_weights(tmp_path):
+    from radixserve.engine.model.quant.int8_linear import Int8Linear
+
+    path = str(tmp_path / "tiny.gguf")
+    _write_tiny_gguf(path, "Q4_1")
+    kw = dict(dtype="bfloat16", device="cpu", max_total_tokens=64, weight_prepack=False, torchao_config="int8wo")
+    for quantization in (None, "none"):  # by default, and asked dense explicitly (was refused)
+        runner = ModelRunner(path, quantization=quantization, **kw)
+        assert runner.quantization == "int8wo" and _int4_modules(runner) == 0
+        assert sum(isinstance(m, Int8Linear) for m in runner.model.modules()) == 2 * 4
+
+
 def test_quantization_needs_a_gguf_file(tmp_path):
     with pytest.raises(ValueError, match="needs a .gguf"):
         ModelRunner(str(tmp_path), quantization="gguf", device="cpu")

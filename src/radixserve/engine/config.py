@@ -171,9 +171,10 @@ HELP: dict[str, str] = {
     "~/.cache/radixserve/torch-compile)",
     "disable_weight_prepack": "keep dense weights and F.linear on CPU (for debugging; default: bfloat16 / "
     "float16 weights prepacked for oneDNN where the CPU supports them; float32 stays dense, MKL is faster there)",
-    "quantization": "gguf: keep a .gguf model's Q4_0 / Q4_1 / Q8_0 weights quantized (CPU only; int4 GEMMs; other "
-    "GGML types are an error); none: dequantize them to --dtype (default: gguf for a .gguf on CPU in bfloat16 "
-    "whose types it can keep, else dequantized, with a log line saying why)",
+    "quantization": "gguf: serve a .gguf as stored (CPU only): Q4_0 / Q4_1 projections and LM head as int4 GEMMs, a "
+    "Q4_0 / Q4_1 / Q8_0 embedding as codes, Q8_0 projections and float tensors dense; other GGML types are an "
+    "error. none: dequantize it to --dtype. Default: gguf for a .gguf on CPU in bfloat16 whose types it can keep, "
+    "else dequantized, with a log line saying why",
     "torchao_config": "weight-only quantization of a dense checkpoint's projections at load on CPU (SGLang's flag): "
     "int8wo (int8, a scale per output row) or int4wo-G (4-bit, a scale and zero per G inputs); embedding and LM head "
     "stay in --dtype (default: none)",

@@ -155,8 +155,11 @@ class ModelRunner:
         if quantization == "gguf" and not model_path.endswith(".gguf"):
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {model_path}")
         weight_only = WeightOnlyConfig.parse(torchao_config) if torchao_config else None
-        if weight_only is not None and quantization:
-            raise ValueError(f"--torchao-config {torchao_config} quantizes dense weights: not with --quantization")
+        if weight_only is not None and quantization == "gguf":
+            raise ValueError(
+                f"--torchao-config {torchao_config} quantizes dense weights: not with --quantization gguf "
+                "(--quantization none dequantizes a .gguf for it)"
+            )
         self.device = resolve_device(device)
         self.cpu_binding = self._set_threads(num_threads, cpu_omp_threads_bind)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -230,7 +233,10 @@ class ModelRunner:
         type. Elsewhere (CUDA, float32 / float16 on CPU) the default dequantizes, with an INFO line saying why.
         ``"gguf"`` raises what ``load_gguf_quantized`` raises; ``"none"`` always dequantizes.
         """
-        if quantization == "none" or not model_path.endswith(".gguf") or dense_asked:
+        if not model_path.endswith(".gguf") or quantization == "none":
+            return None
+        if dense_asked:
+            logger.info("%s dequantized: --torchao-config quantizes the dense weights", model_path)
             return None
         if quantization is None and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
             logger.info(
