@@ -145,6 +145,11 @@ class GenerateRequest:
 
     ``input_ids``: prompt token ids ``[prompt_len]``. ``sampling_params.n`` samples share one prefill of the prompt.
     ``sampling_params.max_new_tokens`` is resolved (never None) by the server before submission.
+
+    Logprobs (docs/contracts.md, "Prompt logprobs"): ``return_logprob`` asks for the logprob of every generated
+    token; ``logprob_start_len`` (a prompt position in ``[0, prompt_len)``, None = none) asks for the logprobs of the
+    prompt tokens from that position on (``ReqOutput.input_token_logprobs``), independently of ``return_logprob``;
+    ``top_logprobs_num`` (0 = none) is the number of top alternatives reported for both, per position.
     """
 
     rid: str
@@ -152,6 +157,7 @@ class GenerateRequest:
     sampling_params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int | None = None
     stream: bool = False
     arrival_time: float = 0.0  # time.monotonic() when the server received it (seconds)
     # The compiled constraint (engine.grammar.Grammar), set by Engine.generate from sampling_params; never by clients.
@@ -160,7 +166,9 @@ class GenerateRequest:
 
 @dataclass
 class TokenLogprob:
-    """Logprob of one generated token under the model's raw distribution, with the top alternatives (sorted, desc)."""
+    """Logprob (natural log) of one token under the model's raw distribution (log_softmax of the logits, before
+    penalties and temperature), with the top alternatives ``(token_id, logprob)`` sorted by logprob, descending.
+    Used for generated tokens and for prompt tokens (``ReqOutput.input_token_logprobs``)."""
 
     token_id: int
     logprob: float
@@ -174,6 +182,12 @@ class ReqOutput:
     ``text`` is the newly stable text (never half a UTF-8 character, stop strings held back/trimmed); ``token_ids``
     and ``logprobs`` are the tokens generated since the previous delta. ``finish_reason`` is set on the last delta:
     ``{"type": "stop"|"length"|"abort", "matched": str|int|None}`` (abort may carry ``"message"``).
+
+    ``input_token_logprobs`` (only when the request set ``logprob_start_len``, and only on the first delta of each
+    sample; None on every other delta): one entry per prompt position ``logprob_start_len .. prompt_tokens - 1``,
+    entry ``j`` the logprob of prompt token ``logprob_start_len + j`` given the tokens before it, with its
+    ``top_logprobs_num`` alternatives in ``top``; the entry of position 0 is None (nothing precedes it). A sample
+    aborted before its prompt was prefilled gets none.
     """
 
     rid: str
@@ -185,6 +199,7 @@ class ReqOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    input_token_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
