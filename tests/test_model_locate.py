@@ -69,9 +69,24 @@ def test_a_directory_with_config_and_weights_passes(tmp_path: Path) -> None:
     check_model_path(str(model_dir(tmp_path / "sharded", "config.json", "model.safetensors.index.json")))
 
 
+def write_gguf(path: Path) -> Path:
+    """A small, complete GGUF file: one metadata string array (walked by length) and two F32 tensors."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    writer.add_tensor("token_embd.weight", np.ones((8, 4), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def test_gguf_paths(tmp_path: Path) -> None:
-    good = tmp_path / "m.Q4_K_M.gguf"
-    good.write_bytes(b"GGUF\x03\x00\x00\x00")
+    good = write_gguf(tmp_path / "m.Q4_K_M.gguf")
     check_model_path(str(good))
     check_tokenizer_path(str(good))
     pointer = tmp_path / "lfs.gguf"
@@ -80,8 +95,42 @@ def test_gguf_paths(tmp_path: Path) -> None:
         check_model_path(str(pointer))
     with pytest.raises(ModelPathError, match="a file, but not a .gguf"):
         check_model_path(str(model_dir(tmp_path / "d", "weights.bin") / "weights.bin"))
+    only = tmp_path / "only"
+    only.mkdir()
+    write_gguf(only / "m.gguf")
     with pytest.raises(ModelPathError, match="pass the file itself"):
-        check_model_path(str(tmp_path))  # a directory holding only the .gguf
+        check_model_path(str(only))  # a directory holding only the .gguf
+
+
+def test_a_truncated_gguf_is_one_clear_line(tmp_path: Path) -> None:
+    # Regression: a cut-off download failed deep in the loader with "cannot reshape array of size 399424 into shape
+    # (576,960)" (tensor data cut) or a bare struct.error (header cut).
+    from radixserve.engine.model.gguf_header import read_gguf_extent
+
+    full = write_gguf(tmp_path / "full.gguf")
+    data, needed = full.read_bytes(), read_gguf_extent(str(full)).needed_bytes
+    assert needed <= len(data)  # the writer pads the last tensor to the alignment
+    for keep, reason in [(needed - 1, "truncated: its 2 tensors need"), (40, "truncated header")]:
+        cut = tmp_path / f"cut{keep}.gguf"
+        cut.write_bytes(data[:keep])
+        for check in (check_model_path, check_tokenizer_path):
+            with pytest.raises(ModelPathError, match=reason) as e:
+                check(str(cut))
+            assert "\n" not in str(e.value) and "not a complete GGUF file" in str(e.value)
+
+
+def test_gguf_extension_in_any_case_and_every_file_of_a_directory_named(tmp_path: Path) -> None:
+    # Regression: `model.GGUF` was "a file, but not a .gguf", and a directory of two GGUF files named only one.
+    upper = write_gguf(tmp_path / "model.GGUF")
+    check_model_path(str(upper))
+    check_tokenizer_path(str(upper))
+    two = tmp_path / "two"
+    two.mkdir()
+    write_gguf(two / "a.Q4_0.gguf")
+    write_gguf(two / "b.Q8_0.gguf")
+    with pytest.raises(ModelPathError, match="2 GGUF files; pass one of them") as e:
+        check_model_path(str(two))
+    assert "a.Q4_0.gguf" in str(e.value) and "b.Q8_0.gguf" in str(e.value)
 
 
 def test_tokenizer_path_is_checked_when_given(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.engine.model.locate import is_gguf_path
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -124,7 +126,7 @@ _ARCH_BY_MODEL_TYPE = {
 def generation_eos_ids(model_path: str) -> list[int]:
     """``eos_token_id`` of ``generation_config.json`` beside an HF checkpoint, as a list (``[]`` when absent)."""
     path = os.path.join(model_path, "generation_config.json")
-    if model_path.endswith(".gguf") or not os.path.exists(path):
+    if is_gguf_path(model_path) or not os.path.exists(path):
         return []
     with open(path) as f:
         eos = json.load(f).get("eos_token_id")
@@ -135,7 +137,7 @@ def load_hf_config(model_path: str) -> Any:
     """transformers ``AutoConfig`` for an HF directory or a ``.gguf`` file path."""
     from transformers import AutoConfig
 
-    if model_path.endswith(".gguf"):
+    if is_gguf_path(model_path):
         d, f = os.path.split(os.path.abspath(model_path))
         return AutoConfig.from_pretrained(d, gguf_file=f)
     return AutoConfig.from_pretrained(model_path)

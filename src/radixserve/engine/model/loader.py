@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from radixserve.engine.model.llama import LlamaForCausalLM
+from radixserve.engine.model.locate import is_gguf_path
 from radixserve.engine.progress import progress_bars_enabled
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
         "qkv_proj": [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)],
         "gate_up_proj": [(0, cfg.intermediate_size), (cfg.intermediate_size, cfg.intermediate_size)],
     }
-    total, it = iter_gguf(model_path) if model_path.endswith(".gguf") else iter_safetensors(model_path)
+    total, it = iter_gguf(model_path) if is_gguf_path(model_path) else iter_safetensors(model_path)
     loaded: set[str] = set()
     bar = tqdm(it, total=total, desc="Loading weights", unit="tensor", disable=not progress_bars_enabled())
     for name, tensor in bar:

@@ -49,6 +49,23 @@ def _check_gguf(path: str, flag: str) -> None:
         raise ModelPathError(f"{flag} {path}: cannot read it ({e.strerror})") from e
     if magic != b"GGUF":
         raise ModelPathError(f"{flag} {path}: not a GGUF file (no GGUF header; a Git LFS pointer not pulled?)")
+    from radixserve.engine.model.gguf_header import GGUFHeaderError, check_gguf_complete
+
+    try:
+        check_gguf_complete(path)
+    except GGUFHeaderError as e:  # regression: a truncated file failed later with "cannot reshape array of size ..."
+        raise ModelPathError(f"{flag} {path}: not a complete GGUF file: {e}") from e
+    except OSError as e:
+        raise ModelPathError(f"{flag} {path}: cannot read it ({e.strerror})") from e
+
+
+def is_gguf_path(path: str) -> bool:
+    """Whether ``path`` names a GGUF file by its extension, in any case (``model.GGUF`` too)."""
+    return path.lower().endswith(".gguf")
+
+
+def _ggufs_in(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if is_gguf_path(n))
 
 
 def check_model_path(path: str, flag: str = "--model-path") -> None:
@@ -59,19 +76,23 @@ def check_model_path(path: str, flag: str = "--model-path") -> None:
     if not os.path.exists(path):
         raise _missing(path, flag)
     if os.path.isfile(path):
-        if path.endswith(".gguf"):
+        if is_gguf_path(path):
             _check_gguf(path, flag)
             return
         raise ModelPathError(f"{flag} {path}: a file, but not a .gguf ({_EXPECTED})")
     if not os.path.isdir(path):
         raise ModelPathError(f"{flag} {path}: neither a directory nor a file ({_EXPECTED})")
-    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    ggufs = _ggufs_in(path)
     has_weights = bool(glob.glob(os.path.join(path, "*.safetensors"))) or os.path.isfile(
         os.path.join(path, "model.safetensors.index.json")
     )
     if not os.path.isfile(os.path.join(path, "config.json")):
-        if ggufs and not has_weights:
+        if len(ggufs) == 1 and not has_weights:
             raise ModelPathError(f"{flag} {path}: a directory with a GGUF file; pass the file itself: {ggufs[0]}")
+        if ggufs and not has_weights:  # regression: two files, only the first named
+            raise ModelPathError(
+                f"{flag} {path}: a directory with {len(ggufs)} GGUF files; pass one of them: {', '.join(ggufs)}"
+            )
         raise ModelPathError(f"{flag} {path}: no config.json in this directory ({_EXPECTED})")
     if not has_weights:
         others = [
@@ -88,7 +109,7 @@ def check_tokenizer_path(path: str, flag: str = "--tokenizer-path") -> None:
     if not os.path.exists(path):
         raise _missing(path, flag)
     if os.path.isfile(path):
-        if path.endswith(".gguf"):
+        if is_gguf_path(path):
             _check_gguf(path, flag)
             return
         raise ModelPathError(f"{flag} {path}: a file, but not a .gguf (expected a tokenizer directory or a .gguf file)")
