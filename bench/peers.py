@@ -24,7 +24,9 @@ run reuses a cache another run filled; medians are reported):
     8 concurrent: ``wall_s``, ``output_tok_s`` (completion tokens / wall), ``mean_ttft_s``;
 (b) batch-1 decode of 128 tokens: ``decode_tok_s`` = (tokens - 1) / (last - first content chunk), i.e. 1 / mean ITL;
 (c) TTFT of a fresh ~1,000-token prompt (streamed; time to the first chunk with content): ``fresh_ttft_s``.
-``engine-q4`` is one engine on the same GGUF as llama.cpp, kept quantized (``--quantization gguf``).
+``engine-q4`` is one engine on the same GGUF as llama.cpp, kept quantized (``--quantization gguf``); ``engine`` serves
+the dequantized bf16 directory (``--model-dir``); ``stack`` is ``make run`` (``radixserve up``: the router and one
+engine on the demo GGUF, as stored).
 ``rss_mib`` is the resident memory of the server and every process below it after the workloads (``peak_rss_mib``:
 the sum of each process's peak); an engine's row adds its weight and KV pool sizes from ``/get_model_info``.
 ``startup_s`` is launch to ready (vLLM: ``/health``; llama.cpp: ``/v1/models``, answered once the model is loaded;
@@ -329,7 +331,7 @@ def specs(args: argparse.Namespace, cores: int, isa: dict[str, bool]) -> dict[st
     q4p = free_port()
     q4_argv = [OUR_CLI, "engine", "--model-path", args.llamacpp_model, "--quantization", "gguf", "--host", "127.0.0.1"]
     q4_argv += ["--port", str(q4p), "--num-threads", str(cores), *shlex.split(args.engine_args)]
-    stack_argv = [OUR_CLI, "up", "--model-path", args.model_dir, "--port", str(sp), "--engine-base-port", str(sb)]
+    stack_argv = [OUR_CLI, "up", "--port", str(sp), "--engine-base-port", str(sb)]  # make run's model: the GGUF
     stack_argv += shlex.split(args.stack_args)
     return {
         "vllm": ServerSpec(

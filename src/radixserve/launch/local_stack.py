@@ -40,6 +40,9 @@ logger = logging.getLogger("radixserve.up")
 _PER_ENGINE_FIELDS = frozenset({"host", "port", "num_threads", "cpu_omp_threads_bind"})
 # Engine fields that go to the engines in their environment, never on their command line (``ps`` shows it to all).
 _ENV_FIELDS = frozenset({"api_key"})
+# Engine fields always on the command line: the CLI's default (demo://) differs from EngineArgs' (regression: `up
+# --model-path models/smollm2-135m-instruct`, equal to EngineArgs' default, reached the engines as no flag at all).
+_ALWAYS_FIELDS = frozenset({"model_path"})
 
 # Environment of the engine children, unless set already: no progress bars (tqdm's own, huggingface_hub's, and
 # transformers', which follow huggingface_hub's). Regression: the "Loading weights" bars of two engines interleaved
@@ -83,7 +86,9 @@ def engine_argv(args: EngineArgs, port: int, num_threads: int, cpus: str = "nobi
     defaults = EngineArgs()
     for f in dataclasses.fields(EngineArgs):
         value = getattr(args, f.name)
-        if f.name in _PER_ENGINE_FIELDS | _ENV_FIELDS or value == getattr(defaults, f.name) or value is None:
+        if f.name in _PER_ENGINE_FIELDS | _ENV_FIELDS or value is None:
+            continue
+        if value == getattr(defaults, f.name) and f.name not in _ALWAYS_FIELDS:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):  # differs from its default: --flag, or --no-flag for a default-on switch
