@@ -312,19 +312,20 @@ class RuntimeEndpoint:
     def _discover_chat_template(self) -> tuple[ChatTemplate, str]:
         if self._chat_template_name is not None:
             return get_chat_template(self._chat_template_name), f"{self._chat_template_name} (chat_template_name)"
-        sources = [self.base_url, *self._engines_behind_router()]
-        for url in sources:
-            files = self._tokenizer_files(url)
-            if files is None:
-                continue
+        files, url = self._tokenizer_files(self.base_url), self.base_url
+        if files is None:  # a router: ask the engines it lists
+            for url in self._engines_behind_router():
+                files = self._tokenizer_files(url)
+                if files is not None:
+                    break
+        if files is not None:
             try:
                 template = from_tokenizer_files(files)
             except ChatTemplateError as e:
                 logger.warning("the model's chat template from %s: %s; matching by model name instead", url, e)
-                break
-            if template is not None:
-                return template, f"the model's own, from {url}{constants.ENGINE_TOKENIZER_FILES_PATH}"
-            break  # the model has no chat template
+            else:
+                if template is not None:
+                    return template, f"the model's own, from {url}{constants.ENGINE_TOKENIZER_FILES_PATH}"
         name = self.get_model_name() or ""
         template = match_chat_template(name)
         return template, f"{template.name} (matched to the model name {name!r})"
