@@ -105,10 +105,10 @@ def test_gguf_paths(tmp_path: Path) -> None:
 def test_a_truncated_gguf_is_one_clear_line(tmp_path: Path) -> None:
     # Regression: a cut-off download failed deep in the loader with "cannot reshape array of size 399424 into shape
     # (576,960)" (tensor data cut) or a bare struct.error (header cut).
-    from radixserve.engine.model.gguf_header import read_gguf_extent
+    from radixserve.engine.model.gguf_header import read_gguf_header
 
     full = write_gguf(tmp_path / "full.gguf")
-    data, needed = full.read_bytes(), read_gguf_extent(str(full)).needed_bytes
+    data, needed = full.read_bytes(), read_gguf_header(str(full)).needed_bytes
     assert needed <= len(data)  # the writer pads the last tensor to the alignment
     for keep, reason in [(needed - 1, "truncated: its 2 tensors need"), (40, "truncated header")]:
         cut = tmp_path / f"cut{keep}.gguf"

@@ -134,12 +134,16 @@ def generation_eos_ids(model_path: str) -> list[int]:
 
 
 def load_hf_config(model_path: str) -> Any:
-    """transformers ``AutoConfig`` for an HF directory or a ``.gguf`` file path."""
+    """transformers ``AutoConfig`` for an HF directory or a ``.gguf`` file path (``gguf_sidecar.load_gguf_config``:
+    transformers parses a large file once, in a child process, the first time).
+
+    Raises ValueError when transformers cannot read the GGUF's config."""
     from transformers import AutoConfig
 
     if is_gguf_path(model_path):
-        d, f = os.path.split(os.path.abspath(model_path))
-        return AutoConfig.from_pretrained(d, gguf_file=f)
+        from radixserve.engine.model.gguf_sidecar import load_gguf_config
+
+        return load_gguf_config(model_path)
     return AutoConfig.from_pretrained(model_path)
 
 

@@ -1,8 +1,10 @@
-"""Walk a GGUF file's header (metadata and tensor infos) without reading any tensor: how many bytes its tensors need.
+"""Walk a GGUF file's header (metadata and tensor infos) without reading any tensor: its tensors and their extent.
 
 A truncated download or a half-copied file otherwise fails deep inside gguf-py or transformers with "cannot reshape
 array of size ..." or a bare ``struct.error``. The walk skips metadata values by their lengths (the 49k-string
-tokenizer arrays of the demo model take ~30 ms), so ``locate.py`` can check a file before anything loads.
+tokenizer arrays of the demo model take ~30 ms), so ``locate.py`` can check a file before anything loads and
+``quant/gguf_file.py`` maps the tensors without gguf-py's reader (which builds a numpy view per metadata string: ~2-3 s
+and ~100 MiB of heap on the demo model).
 
 Layout (GGUF v2/v3, ggml's docs/gguf.md): magic ``GGUF``, u32 version, u64 tensor count, u64 metadata count; each
 metadata entry a string key, u32 value type, value; each tensor info a string name, u32 n_dims, u64 dims, u32 GGML
@@ -27,13 +29,32 @@ class GGUFHeaderError(ValueError):
 
 
 @dataclass(frozen=True)
-class GGUFExtent:
-    """What a GGUF file's header promises: ``needed_bytes`` = data-section start + the end of its last tensor."""
+class GGUFTensorInfo:
+    """One tensor's header entry: ``dims`` in GGML order (ne0 first, ``[K, N]`` for a linear weight), its GGML type
+    id, and ``offset``/``nbytes`` of its data from the file's start, in bytes."""
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What a GGUF file's header says: its tensors, the string metadata values asked for, and ``needed_bytes`` =
+    the end of its last tensor's data (a complete file has at least that many bytes)."""
 
     version: int
-    tensor_count: int
+    tensors: tuple[GGUFTensorInfo, ...]
+    strings: dict[str, str]
     needed_bytes: int
     file_bytes: int
+
+    @property
+    def tensor_count(self) -> int:
+        """How many tensors the header lists."""
+        return len(self.tensors)
 
 
 class _Cursor:
@@ -74,13 +95,15 @@ class _Cursor:
             raise GGUFHeaderError(f"unknown metadata value type {vtype} at byte {self.pos}")
 
 
-def read_gguf_extent(path: str) -> GGUFExtent:
-    """Walk ``path``'s GGUF header and return its extent; reads only the header pages (memory-mapped).
+def read_gguf_header(path: str, string_keys: tuple[str, ...] = ()) -> GGUFHeader:
+    """Walk ``path``'s GGUF header; reads only the header pages (memory-mapped), never tensor data.
+
+    ``string_keys``: metadata keys whose string values to return (e.g. ``general.architecture``); others are skipped.
 
     Raises:
         GGUFHeaderError: no GGUF magic, a version other than 2 or 3, a header cut short, an unknown metadata or GGML
-            type. A complete header over missing tensor data is NOT an error here: compare ``needed_bytes`` with
-            ``file_bytes`` (``check_gguf_complete``).
+            type, a duplicate tensor name. A complete header over missing tensor data is NOT an error here: compare
+            ``needed_bytes`` with ``file_bytes`` (``check_gguf_complete``).
         OSError: the file cannot be opened or mapped.
     """
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -95,34 +118,41 @@ def read_gguf_extent(path: str) -> GGUFExtent:
             raise GGUFHeaderError(f"GGUF version {version} (supported: 2 and 3; a big-endian file?)")
         tensor_count, kv_count = cur.take("<Q"), cur.take("<Q")
         alignment = _DEFAULT_ALIGNMENT
+        strings: dict[str, str] = {}
         for _ in range(kv_count):
-            key, vtype = cur.string(), cur.take("<I")
-            if key == b"general.alignment" and vtype == 4:
+            key, vtype = cur.string().decode("utf-8", "replace"), cur.take("<I")
+            if key == "general.alignment" and vtype == 4:
                 alignment = cur.take("<I") or _DEFAULT_ALIGNMENT
+            elif key in string_keys and vtype == _STRING:
+                strings[key] = cur.string().decode("utf-8", "replace")
             else:
                 cur.skip_value(vtype)
-        data_end = 0
+        entries: list[tuple[str, tuple[int, ...], int, int, int]] = []
         for _ in range(tensor_count):
             name = cur.string().decode("utf-8", "replace")
-            n_dims = cur.take("<I")
-            elements = 1
-            for _ in range(n_dims):
-                elements *= cur.take("<Q")
+            dims = tuple(cur.take("<Q") for _ in range(cur.take("<I")))
             ggml_type, offset = cur.take("<I"), cur.take("<Q")
             try:
                 block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
             except (ValueError, KeyError) as e:
                 raise GGUFHeaderError(f"tensor {name}: unknown GGML type {ggml_type}") from e
-            data_end = max(data_end, offset + elements // block * type_bytes)
+            elements = 1
+            for d in dims:
+                elements *= d
+            entries.append((name, dims, ggml_type, offset, elements // block * type_bytes))
         data_start = -(-cur.pos // alignment) * alignment
-        return GGUFExtent(version, tensor_count, data_start + data_end, len(buf))
+        tensors = tuple(GGUFTensorInfo(n, d, t, data_start + o, b) for n, d, t, o, b in entries)
+        if len({t.name for t in tensors}) != len(tensors):
+            raise GGUFHeaderError("duplicate tensor names")
+        needed = max((t.offset + t.nbytes for t in tensors), default=data_start)
+        return GGUFHeader(version, tensors, strings, needed, len(buf))
 
 
 def check_gguf_complete(path: str) -> None:
     """Raise GGUFHeaderError unless ``path``'s header parses and the file holds every byte its tensors need."""
-    extent = read_gguf_extent(path)
-    if extent.file_bytes < extent.needed_bytes:
+    header = read_gguf_header(path)
+    if header.file_bytes < header.needed_bytes:
         raise GGUFHeaderError(
-            f"truncated: its {extent.tensor_count} tensors need {extent.needed_bytes} bytes, the file has "
-            f"{extent.file_bytes} (an interrupted download or copy?)"
+            f"truncated: its {header.tensor_count} tensors need {header.needed_bytes} bytes, the file has "
+            f"{header.file_bytes} (an interrupted download or copy?)"
         )
