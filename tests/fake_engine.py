@@ -10,9 +10,9 @@ every request it received and every request aborted before finishing.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -22,6 +22,9 @@ from radixserve.engine.engine import parse_sampling_defaults
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, TokenLogprob
 from radixserve.engine.memory.cache_events import CacheEventLog
 from radixserve.engine.metrics import EngineMetrics
+
+if TYPE_CHECKING:
+    from radixserve.engine.server.engine_client import EngineClient
 
 MODEL_DIR = str(Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct")
 SCRIPT = "Hello there! Ünïcödé café, 日本語 🙂 and the end."
@@ -33,7 +36,9 @@ def load_tokenizer() -> Any:
 
 
 class FakeEngine:
-    """Scripted stand-in for ``Engine`` (same attributes and methods the server uses)."""
+    """Scripted stand-in for ``Engine``: implements ``EngineClient`` (engine/server/engine_client.py), which mypy
+    checks below. ``generate`` ignores grammars; ``check_grammar`` accepts any unless a test sets
+    ``grammar_backend``."""
 
     def __init__(self, tokenizer: Any, context_length: int = 2048, delay_s: float = 0.0, **arg_overrides: Any):
         self.args = EngineArgs(model_path=MODEL_DIR, context_length=context_length, **arg_overrides)
@@ -48,6 +53,7 @@ class FakeEngine:
         self.outputs: list[list[int]] | None = None  # set_outputs(): per-sample scripted replies
         self.eos_id = 2
         self.cached_tokens = 0
+        self.grammar_backend: Any = None  # set by a test: check_grammar compiles with it (``await get(kind, text)``)
         self.fail_with: InvalidRequestError | None = None  # raised when a generation starts
         self.fail_after_first: Exception | None = None  # raised after the first delta (mid-stream error)
         self.healthy = True
@@ -116,7 +122,11 @@ class FakeEngine:
         top = [(token_id, lp)] + [((token_id + j) % self.vocab_size, lp - j) for j in range(1, k)]
         return TokenLogprob(token_id=token_id, logprob=lp, top=top[:k])
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[ReqOutput]:
+    async def check_grammar(self, kind: str, text: str) -> None:
+        if self.grammar_backend is not None:  # a test's stand-in: raises for the grammars it refuses
+            await self.grammar_backend.get(kind, text)
+
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[ReqOutput, None]:
         self.requests.append(req)
         if self.fail_with is not None:
             raise self.fail_with
@@ -135,7 +145,7 @@ class FakeEngine:
                         continue
                     ids = self.sample_ids(i)
                     produced = ids[: step + 1]
-                    finish = None
+                    finish: dict[str, Any] | None = None
                     if step + 1 >= sp.max_new_tokens:
                         finish = {"type": "length", "matched": None}
                     elif step + 1 >= len(ids):
@@ -165,6 +175,12 @@ class FakeEngine:
             self.running.discard(req.rid)
             if not all(done):
                 self.aborted.append(req.rid)
+
+
+if TYPE_CHECKING:
+
+    def _conforms(engine: FakeEngine) -> EngineClient:
+        return engine  # mypy: FakeEngine implements the EngineClient protocol
 
 
 def sse_payloads(body: str) -> list[Any]:

@@ -5,7 +5,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from radixserve.engine.server.common import RidRegistry
+from radixserve.engine.server.context import RidRegistry
 from radixserve.engine.server.http import create_app
 
 from fake_engine import FakeEngine, ServerThread, client, engine, tokenizer, wait_until  # noqa: F401 - shared pytest fixtures

@@ -19,11 +19,10 @@ from radixserve.engine.io_struct import InvalidRequestError, SamplingParams
 from radixserve.engine.server.chat import RenderOptions, TemplateCaps, render_prompt
 from radixserve.engine.server.http import create_app
 from radixserve.engine.server.reasoning import ReasoningStream, make_reasoning_stream, split_reasoning
+from radixserve.engine.server.tool_parser import ChatOutputParser, parse_tool_calls
 from radixserve.engine.server.tools import (
-    ChatOutputParser,
     ToolChoice,
     call_schema,
-    parse_tool_calls,
     resolve_tool_choice,
     tools_prompt,
     validate_tools,

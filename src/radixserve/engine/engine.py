@@ -311,6 +311,11 @@ class Engine:
             self._grammar_queue -= 1
             self.metrics.num_grammar_queue_reqs.set(self._grammar_queue)
 
+    async def check_grammar(self, kind: str, text: str) -> None:
+        """Compile (or find cached) the constraint ``(kind, text)`` without running a request; raises
+        InvalidRequestError (400 naming ``kind``) when it is invalid or unsupported."""
+        await self.grammar_backend.get(kind, text)
+
     def abort(self, rid: str) -> None:
         """Abort request ``rid`` (all its samples)."""
         self.scheduler.abort(rid)

@@ -4,7 +4,7 @@
 Block hashes are ``contracts/block_hash.py``'s, in the namespace ``("tokens", served model name, None)``, as JSON
 integers (unsigned 64-bit). The events come from ``engine/memory/cache_events.py`` ``CacheEventLog`` (None when
 ``--cache-event-block-tokens 0`` or ``--disable-radix-cache``: the event routes answer 404). ``POST /prefix_blocks``
-renders and tokenizes a request's prompt with the server's own code (``OpenAIServing`` / ``NativeServing``), so a
+renders and tokenizes a request's prompt with the server's own code (the endpoint's ``Serving``), so a
 router can check that its ``PrefixKey`` names the same blocks. Errors are ``InvalidRequestError`` (the contracts'
 error body), never a 500.
 """
@@ -12,6 +12,7 @@ error body), never a 500.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi.exceptions import RequestValidationError
@@ -20,15 +21,14 @@ from pydantic import BaseModel, ValidationError
 from radixserve.contracts.block_hash import chain_block_hashes, namespace_digest
 from radixserve.contracts.protocol import ChatCompletionRequest, CompletionRequest, GenerateReqInput
 from radixserve.engine.io_struct import InvalidRequestError
-from radixserve.engine.server.chat import RenderOptions
+from radixserve.engine.server.context import ServerContext
 from radixserve.engine.server.request_errors import validation_error
-from radixserve.engine.server.tools import resolve_tool_choice, validate_tools
+from radixserve.engine.server.serving_chat import ChatServing
+from radixserve.engine.server.serving_completions import CompletionServing
+from radixserve.engine.server.serving_native import NativeServing
 
 if TYPE_CHECKING:  # pragma: no cover
     from radixserve.engine.memory.cache_events import CacheEvent, CacheEventLog
-    from radixserve.engine.server.common import ServerContext
-    from radixserve.engine.server.native import NativeServing
-    from radixserve.engine.server.openai_api import OpenAIServing
 
 PREFIX_BLOCK_ENDPOINTS = ("chat", "completions", "generate")
 _REQUEST_MODELS: dict[str, type[BaseModel]] = {
@@ -38,8 +38,26 @@ _REQUEST_MODELS: dict[str, type[BaseModel]] = {
 }
 
 
+@dataclass(frozen=True)
+class Servings:
+    """The app's generating endpoints, by ``POST /prefix_blocks`` endpoint name."""
+
+    chat: ChatServing
+    completions: CompletionServing
+    generate: NativeServing
+
+    def named(self, endpoint: str) -> ChatServing | CompletionServing | NativeServing:
+        """The serving of ``endpoint`` (one of ``PREFIX_BLOCK_ENDPOINTS``)."""
+        servings: dict[str, ChatServing | CompletionServing | NativeServing] = {
+            "chat": self.chat,
+            "completions": self.completions,
+            "generate": self.generate,
+        }
+        return servings[endpoint]
+
+
 def _event_log(ctx: ServerContext) -> CacheEventLog:
-    log: CacheEventLog | None = getattr(ctx.engine, "cache_events", None)
+    log = ctx.engine.cache_events
     if log is None:
         raise InvalidRequestError(
             "this engine publishes no cache events (--cache-event-block-tokens 0 or --disable-radix-cache)",
@@ -95,7 +113,7 @@ def load_body(ctx: ServerContext) -> dict[str, Any]:
     """``GET /load``: ``{"incarnation" (null without events), "queued_requests", "queued_prefill_tokens",
     "running_requests", "running_tokens", "max_total_tokens"}`` (requests count samples, tokens are KV tokens; see
     ``scheduler/stats.py`` ``LoadSnapshot``). O(1), from the scheduler's latest step."""
-    log: CacheEventLog | None = getattr(ctx.engine, "cache_events", None)
+    log = ctx.engine.cache_events
     return {"incarnation": log.incarnation if log is not None else None, **ctx.engine.load_snapshot()}
 
 
@@ -107,30 +125,12 @@ def _parse_request(endpoint: str, raw: dict[str, Any]) -> Any:
         raise InvalidRequestError(message, f"request.{param}" if param else "request") from None
 
 
-def _first_prompt_ids(
-    ctx: ServerContext, openai: OpenAIServing, native: NativeServing, endpoint: str, req: Any
-) -> list[int]:
+def _first_prompt_ids(servings: Servings, endpoint: str, req: Any) -> list[int]:
     """The token ids the engine would prefill for ``req`` (its first prompt for a batch). Runs in a worker thread."""
-    if endpoint == "chat":
-        # As OpenAIServing.chat renders: the tools shown unless tool_choice is "none", the compatibility switches.
-        args = ctx.engine.args
-        functions = validate_tools(req.tools)
-        choice = resolve_tool_choice(functions, req.tool_choice, args.tool_choice_as_auto)
-        opts = RenderOptions(
-            functions=functions if choice.mode != "none" else None,
-            flatten_tool_content=args.flatten_tool_content,
-            accept_bare_image_url=args.accept_bare_image_url,
-        )
-        return openai._chat_prompt_ids(req, opts)
-    if endpoint == "completions":
-        return openai._prompts(req.prompt)[0][1]
-    prompts, _ = native._prompts(req)
-    return prompts[0]
+    return servings.named(endpoint).prompt_token_ids(req)[0]
 
 
-async def prefix_blocks_body(
-    ctx: ServerContext, openai: OpenAIServing, native: NativeServing, body: dict[str, Any]
-) -> dict[str, Any]:
+async def prefix_blocks_body(ctx: ServerContext, servings: Servings, body: dict[str, Any]) -> dict[str, Any]:
     """``POST /prefix_blocks`` ``{"endpoint": "chat" | "completions" | "generate", "request": {...}}``: ``{"model",
     "block_tokens", "prompt_tokens", "blocks": [int]}``, the full-block hashes of the prompt that request would
     prefill, rendered and tokenized as its endpoint does (chat template, tools, special tokens; a batch: its first
@@ -152,7 +152,7 @@ async def prefix_blocks_body(
     try:
         if endpoint != "generate":
             ctx.check_model(req.model)
-        ids = await asyncio.to_thread(_first_prompt_ids, ctx, openai, native, endpoint, req)
+        ids = await asyncio.to_thread(_first_prompt_ids, servings, endpoint, req)
     except InvalidRequestError as e:
         raise InvalidRequestError(e.message, f"request.{e.param}" if e.param else "request", e.status_code) from None
     h0 = namespace_digest("tokens", ctx.model_name, None)

@@ -12,45 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Protocol
 
-import anyio
-from starlette.requests import Request
-from starlette.responses import Response
-
-from radixserve.contracts.sse import SSE_DONE, sse_error
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput
-from radixserve.engine.server.common import SSEResponse
-
-if TYPE_CHECKING:  # pragma: no cover
-    from radixserve.engine.engine import Engine
-    from radixserve.engine.server.common import ServerContext
-
-logger = logging.getLogger("radixserve.engine.server")
-
-T = TypeVar("T")
+from radixserve.engine.server.client_io import ClientDisconnected
+from radixserve.engine.server.engine_client import EngineClient
 
 _END = object()
 
 
-class ClientDisconnected(Exception):
-    """The HTTP client went away before the response was complete."""
-
-
 class OutputGroup(Protocol):
-    """What ``respond`` drives: a ``GenerationGroup`` or a wrapper of one (openai_api's ``PreflightGroup``,
-    ``ToolGrammarGroup``)."""
+    """What ``Serving.handle`` drives: a ``GenerationGroup`` or a wrapper of one (``output_groups.py``
+    ``PreflightGroup``, ``ToolGrammarGroup``)."""
 
     async def start(self) -> None: ...
 
     def __aiter__(self) -> AsyncIterator[tuple[int, ReqOutput]]: ...
 
     async def aclose(self) -> None: ...
-
-
-GroupT = TypeVar("GroupT", bound=OutputGroup)
 
 
 class GenerationGroup:
@@ -67,7 +47,7 @@ class GenerationGroup:
             await group.aclose()           # aborts whatever is still running
     """
 
-    def __init__(self, engine: Engine, reqs: list[GenerateRequest]):
+    def __init__(self, engine: EngineClient, reqs: list[GenerateRequest]):
         self.engine = engine
         self.reqs = reqs
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -81,9 +61,8 @@ class GenerationGroup:
         if not self.engine.is_healthy():
             raise InvalidRequestError("the engine is not ready", None, status_code=503)
         key = req.sampling_params.grammar_key()
-        backend = getattr(self.engine, "grammar_backend", None)
-        if key is not None and backend is not None:
-            await backend.get(*key)  # an invalid grammar is a 400 even when nothing would be generated
+        if key is not None:
+            await self.engine.check_grammar(*key)  # an invalid grammar is a 400 even when nothing would be generated
         for i in range(req.sampling_params.n):
             yield ReqOutput(
                 rid=req.rid,
@@ -158,95 +137,3 @@ class GenerationGroup:
         for fut in self._first:  # silence "exception never retrieved"
             if fut.done() and not fut.cancelled():
                 fut.exception()
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    """Return when the client disconnects (reads ASGI messages after the body until ``http.disconnect``)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` (a non-streaming request) and cancel it if the client disconnects first.
-
-    Raises ``ClientDisconnected`` after ``work`` was cancelled (its ``finally`` blocks aborted the generation).
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(BaseException):
-            await watcher
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    raise ClientDisconnected()
-
-
-def status_of(exc: BaseException) -> int:
-    """HTTP status for an exception raised while starting a generation."""
-    if isinstance(exc, InvalidRequestError):
-        return exc.status_code
-    return 500
-
-
-async def respond(
-    ctx: ServerContext,
-    request: Request,
-    group: GroupT,
-    rids: list[str],
-    stream: bool,
-    collect: Callable[[GroupT], Awaitable[Response]],
-    chunks: Callable[[GroupT], AsyncIterator[bytes]],
-) -> Response:
-    """Run ``group`` and answer with ``collect`` (non-streaming) or an SSE stream of ``chunks``.
-
-    Errors up to the first output of every request are HTTP errors; later ones become an SSE error event.
-    """
-    if not stream:
-
-        async def work() -> Response:
-            try:
-                await group.start()
-                return await collect(group)
-            finally:
-                await group.aclose()
-
-        try:
-            return await cancel_on_disconnect(request, work())
-        finally:
-            ctx.rids.release(rids)
-
-    try:
-        await cancel_on_disconnect(request, group.start())
-    except BaseException:
-        await group.aclose()
-        ctx.rids.release(rids)
-        raise
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in chunks(group):
-                yield chunk
-        except InvalidRequestError as e:
-            yield sse_error(e.message, e.status_code, e.param)
-            yield SSE_DONE
-        except Exception as e:  # noqa: BLE001 - the response has started; report in-band
-            logger.exception("error while streaming %s", rids)
-            yield sse_error(f"internal error: {type(e).__name__}", status_of(e))
-            yield SSE_DONE
-        finally:
-            with anyio.CancelScope(shield=True):
-                await group.aclose()
-            ctx.rids.release(rids)
-
-    return SSEResponse(body())

@@ -36,15 +36,16 @@ from radixserve.contracts.protocol import (
 )
 from radixserve.engine.io_struct import InvalidRequestError
 from radixserve.engine.server import cache_state
-from radixserve.engine.server.common import ServerContext
-from radixserve.engine.server.generation import ClientDisconnected
-from radixserve.engine.server.native import NativeServing
-from radixserve.engine.server.openai_api import OpenAIServing
+from radixserve.engine.server.client_io import ClientDisconnected
+from radixserve.engine.server.context import ServerContext
+from radixserve.engine.server.engine_client import EngineClient
 from radixserve.engine.server.request_errors import validation_error
+from radixserve.engine.server.serving_chat import ChatServing
+from radixserve.engine.server.serving_completions import CompletionServing
+from radixserve.engine.server.serving_native import NativeServing
 
 if TYPE_CHECKING:  # pragma: no cover
     from radixserve.engine.config import EngineArgs
-    from radixserve.engine.engine import Engine
 
 logger = logging.getLogger("radixserve.engine.server")
 
@@ -62,7 +63,7 @@ _PROBE_PATHS = _OPEN_PATHS | {
 }
 
 
-def create_app(engine: Engine, manage_engine: bool = True) -> FastAPI:
+def create_app(engine: EngineClient, manage_engine: bool = True) -> FastAPI:
     """The engine's FastAPI app.
 
     With ``manage_engine`` the app's lifespan starts the engine (``engine.start()`` in a worker thread, so ``/health``
@@ -70,8 +71,9 @@ def create_app(engine: Engine, manage_engine: bool = True) -> FastAPI:
     and stops the engine itself.
     """
     ctx = ServerContext.of(engine)
-    openai = OpenAIServing(ctx)
-    native = NativeServing(ctx)
+    servings = cache_state.Servings(
+        chat=ChatServing(ctx), completions=CompletionServing(ctx), generate=NativeServing(ctx)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -118,15 +120,15 @@ def create_app(engine: Engine, manage_engine: bool = True) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await openai.chat(request, body)
+        return await servings.chat.handle(request, body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await openai.completions(request, body)
+        return await servings.completions.handle(request, body)
 
     @app.post("/generate")
     async def generate(body: GenerateReqInput, request: Request) -> Response:
-        return await native.generate(request, body)
+        return await servings.generate.handle(request, body)
 
     def model_card() -> ModelCard:
         return ModelCard(id=ctx.model_name, root=engine.args.model_path, max_model_len=ctx.context_length)
@@ -190,7 +192,7 @@ def create_app(engine: Engine, manage_engine: bool = True) -> FastAPI:
 
     @app.post(block_hash.ENGINE_PREFIX_BLOCKS_PATH)
     async def prefix_blocks(body: dict[str, Any]) -> JSONResponse:
-        return JSONResponse(await cache_state.prefix_blocks_body(ctx, openai, native, body))
+        return JSONResponse(await cache_state.prefix_blocks_body(ctx, servings, body))
 
     @app.get(block_hash.ENGINE_LOAD_PATH)
     async def load() -> JSONResponse:
