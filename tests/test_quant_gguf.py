@@ -221,7 +221,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny_gguf(path: str, linear_type: str) -> None:
+def _write_tiny_gguf(path: str, linear_type: str, embedding_type: str = "Q8_0") -> None:
     rng = np.random.default_rng(7)
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(2)
@@ -245,7 +245,7 @@ def _write_tiny_gguf(path: str, linear_type: str) -> None:
         writer.add_tensor(name, (1 + 0.2 * rng.standard_normal(HIDDEN)).astype(np.float32))
 
     lin = TYPES[linear_type][0] if linear_type in TYPES else QT[linear_type]
-    matrix("token_embd.weight", VOCAB, HIDDEN, QT.Q8_0)  # tied LM head, as SmolLM2's
+    matrix("token_embd.weight", VOCAB, HIDDEN, QT[embedding_type])  # tied LM head, as SmolLM2's
     norm("output_norm.weight")
     for i in range(2):
         norm(f"blk.{i}.attn_norm.weight")
@@ -311,6 +311,18 @@ def test_a_gguf_type_it_cannot_keep_is_dequantized_by_default_and_named(tmp_path
     batch = ForwardBatch.build(ForwardMode.EXTEND, [prompt], [list(range(1, 13))])
     dense = ModelRunner(path, quantization="none", **kw)
     assert torch.equal(auto.forward(batch), dense.forward(batch))  # the fallback is the plain dense load
+
+
+def test_an_all_f16_gguf_loads_dense_and_reports_no_quantization(tmp_path):
+    # Regression: a GGUF of F16 tensors only (nothing kept quantized) reported `quantization: gguf`.
+    path = str(tmp_path / "tiny-f16.GGUF")  # and the extension in upper case (was "not a .gguf")
+    _write_tiny_gguf(path, "F16", embedding_type="F16")
+    runner = ModelRunner(path, dtype="bfloat16", device="cpu", max_total_tokens=64, weight_prepack=False)
+    assert runner.quantization is None and _int4_modules(runner) == 0
+    assert not isinstance(runner.model.model.embed_tokens, GroupedEmbedding)
+    mixed = str(tmp_path / "tiny-f16-q8-embedding.gguf")
+    _write_tiny_gguf(mixed, "F16")  # F16 projections, Q8_0 embedding kept as codes: that is quantized
+    assert ModelRunner(mixed, dtype="bfloat16", device="cpu", max_total_tokens=64).quantization == "gguf"
 
 
 def test_torchao_config_on_a_gguf_quantizes_its_dequantized_weights(tmp_path):

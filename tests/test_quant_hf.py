@@ -160,6 +160,19 @@ def test_bad_combinations_fail_before_loading(tmp_path):
         ModelRunner(str(gguf), device="cpu", quantization="gguf", torchao_config="int8wo")
 
 
+def test_torchao_config_off_cpu_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    # Regression: on CUDA --torchao-config was refused only after the weights had loaded. No CUDA here: the runner
+    # is handed a non-CPU device ("meta"), and any weight load fails the test.
+    from radixserve.engine.model import runner as runner_module
+
+    path = _tiny_checkpoint(tmp_path, "mistral")
+    monkeypatch.setattr(runner_module, "resolve_device", lambda device: torch.device("meta"))
+    monkeypatch.setattr(runner_module, "resolve_dtype", lambda dtype, device: torch.bfloat16)
+    monkeypatch.setattr(runner_module, "load_weights", lambda *a: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ValueError, match="runs torch's CPU kernels: CPU with float32 / bfloat16 / float16 only"):
+        ModelRunner(path, torchao_config="int8wo")
+
+
 def test_the_engine_cli_lists_and_checks_the_flag(capsys):
     with pytest.raises(SystemExit):
         main(["engine", "--help"])

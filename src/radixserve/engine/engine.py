@@ -68,15 +68,20 @@ def load_tokenizer(path: str) -> Any:
     """Load a Hugging Face tokenizer from a model directory or a ``.gguf`` file (no hub access)."""
     from transformers import AutoTokenizer
 
-    if path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    from radixserve.engine.model.gguf_sidecar import load_gguf_tokenizer
+    from radixserve.engine.model.locate import is_gguf_path
+
+    if is_gguf_path(path):  # from the file's sidecar directory: transformers parses the GGUF once, in a child
+        return load_gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(path)
 
 
 def default_served_model_name(model_path: str) -> str:
     """The model directory's (or GGUF file's) name, lower-cased: ``models/SmolLM2-135M`` -> ``smollm2-135m``."""
+    from radixserve.engine.model.locate import is_gguf_path
+
     base = os.path.basename(os.path.normpath(model_path))
-    return base.removesuffix(".gguf").lower()
+    return (base[: -len(".gguf")] if is_gguf_path(base) else base).lower()
 
 
 def _put_all(items: list[tuple[asyncio.Queue[ReqOutput], ReqOutput]]) -> None:

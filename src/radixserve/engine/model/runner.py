@@ -32,9 +32,14 @@ from radixserve.engine.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.model.forward_context import forward_context
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_weights
+from radixserve.engine.model.locate import is_gguf_path
 from radixserve.engine.model.quant.gguf_file import UnsupportedGGUFType
 from radixserve.engine.model.quant.load import load_gguf_quantized
-from radixserve.engine.model.quant.on_load import WeightOnlyConfig, quantize_projections
+from radixserve.engine.model.quant.on_load import (
+    WeightOnlyConfig,
+    check_weight_only_supported,
+    quantize_projections,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +157,7 @@ class ModelRunner:
             raise FileNotFoundError(model_path)
         if quantization not in (None, "gguf", "none"):
             raise ValueError(f"unknown quantization {quantization!r}; choose gguf or none")
-        if quantization == "gguf" and not model_path.endswith(".gguf"):
+        if quantization == "gguf" and not is_gguf_path(model_path):
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {model_path}")
         weight_only = WeightOnlyConfig.parse(torchao_config) if torchao_config else None
         if weight_only is not None and quantization == "gguf":
@@ -163,14 +168,16 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.cpu_binding = self._set_threads(num_threads, cpu_omp_threads_bind)
         self.dtype = resolve_dtype(dtype, self.device)
+        if weight_only is not None:  # regression: on CUDA it was refused only after the weights had loaded
+            check_weight_only_supported(weight_only, self.device, self.dtype)
         self.model_config = ModelConfig.from_pretrained(model_path, context_length)
         cfg = self.model_config
         check_context_length(context_length, cfg.max_position_embeddings)  # before minutes of loading
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.model = LlamaForCausalLM(cfg, self.dtype, device="meta")
-            quantization = self._load_gguf(model_path, quantization, torchao_config is not None)
-            if quantization is None:
+            loaded, quantization = self._load_gguf(model_path, quantization, torchao_config is not None)
+            if not loaded:
                 self.model.materialize(self.device, self.dtype)
                 load_weights(self.model, model_path)
                 if weight_only is not None:
@@ -223,9 +230,10 @@ class ModelRunner:
             self.compiled = CompiledLayers(torch_compile_max_bs)
             logger.info("torch.compile on (inductor, %d threads), cache %s", torch.get_num_threads(), cache)
 
-    def _load_gguf(self, model_path: str, quantization: str | None, dense_asked: bool) -> str | None:
-        """Load a ``.gguf`` kept quantized where asked (``"gguf"``) or by default; returns ``"gguf"`` when it did,
-        else None (the caller loads dense weights).
+    def _load_gguf(self, model_path: str, quantization: str | None, dense_asked: bool) -> tuple[bool, str | None]:
+        """Load a ``.gguf`` kept quantized where asked (``"gguf"``) or by default. Returns ``(loaded, quantization)``:
+        ``(False, None)`` when the caller must load dense weights; ``(True, "gguf")`` when some tensor stayed
+        quantized; ``(True, None)`` for a file of F32 / F16 / BF16 tensors only, loaded dense here.
 
         The default (``quantization`` None) keeps a ``.gguf`` quantized on CPU in bfloat16, where the int4 kernel is
         vectorized, unless ``--torchao-config`` asks for dense weights; a file with a GGML type it cannot keep
@@ -233,27 +241,27 @@ class ModelRunner:
         type. Elsewhere (CUDA, float32 / float16 on CPU) the default dequantizes, with an INFO line saying why.
         ``"gguf"`` raises what ``load_gguf_quantized`` raises; ``"none"`` always dequantizes.
         """
-        if not model_path.endswith(".gguf") or quantization == "none":
-            return None
+        if not is_gguf_path(model_path) or quantization == "none":
+            return False, None
         if dense_asked:
             logger.info("%s dequantized: --torchao-config quantizes the dense weights", model_path)
-            return None
+            return False, None
         if quantization is None and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
             logger.info(
                 "%s dequantized to %s: GGUF weights stay quantized by default on CPU in bfloat16 only",
                 model_path,
                 str(self.dtype).removeprefix("torch."),
             )
-            return None
+            return False, None
         try:
-            load_gguf_quantized(self.model, model_path, self.device, self.dtype)
+            kept = load_gguf_quantized(self.model, model_path, self.device, self.dtype)
         except UnsupportedGGUFType as e:
             if quantization == "gguf":
                 raise
             self.model = LlamaForCausalLM(self.model_config, self.dtype, device="meta")  # undo any module swaps
             logger.warning("%s; dequantized to %s instead", e, str(self.dtype).removeprefix("torch."))
-            return None
-        return "gguf"
+            return False, None
+        return True, "gguf" if kept else None  # regression: an all-F16 file reported quantization gguf
 
     def _set_threads(self, num_threads: int | None, bind: str) -> dict[int, int]:
         """``torch.set_num_threads`` and, on CPU, the OpenMP pinning; ``{thread id: cpu}`` of what was pinned."""

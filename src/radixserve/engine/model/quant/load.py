@@ -237,9 +237,10 @@ class _Loader:
             emb.load(codes, d.float(), -8 * d.float())
 
 
-def load_gguf_quantized(model: LlamaForCausalLM, gguf_path: str, device: torch.device, dtype: torch.dtype) -> None:
+def load_gguf_quantized(model: LlamaForCausalLM, gguf_path: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Materialise ``model`` (built on ``meta``) on ``device`` and fill it from ``gguf_path``, keeping Q4_0 / Q4_1 /
     Q8_0 projections, embedding and LM head quantized (module docstring). Replaces ``materialize`` + ``load_weights``.
+    Returns whether any tensor was kept quantized (False for a file of F32 / F16 / BF16 tensors only, served dense).
 
     Raises:
         ValueError: not CPU or not float32 / bfloat16 / float16; a tensor missing or of the wrong shape; parameters
@@ -265,3 +266,4 @@ def load_gguf_quantized(model: LlamaForCausalLM, gguf_path: str, device: torch.d
         "grouped codes" if plan.embedding_quantized else "dense",
         "int4" if plan.head_source else "dense",
     )
+    return bool(plan.quantized or plan.embedding_quantized or plan.head_source)

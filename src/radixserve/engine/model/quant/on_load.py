@@ -122,6 +122,17 @@ def _module_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
+def check_weight_only_supported(config: WeightOnlyConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ValueError unless ``config``'s kernels run on ``device`` in ``dtype`` (CPU, float32 / bfloat16 /
+    float16): checked before the weights load, so a CUDA run is refused at once, not after minutes of loading."""
+    supported = int8_supported if config.bits == 8 else int4_supported
+    if not supported(device, dtype):
+        raise ValueError(
+            f"--torchao-config {config.name} runs torch's CPU kernels: CPU with float32 / bfloat16 / float16 only, "
+            f"not {device.type} {dtype}"
+        )
+
+
 def quantize_projections(model: LlamaForCausalLM, config: WeightOnlyConfig) -> QuantizedSummary:
     """Replace each decoder layer's dense projections (loaded, not yet prepacked) by ``Int8Linear`` / ``Int4Linear``
     modules (module docstring); one projection at a time, so at most one dense and one quantized copy of a matrix
@@ -130,12 +141,7 @@ def quantize_projections(model: LlamaForCausalLM, config: WeightOnlyConfig) -> Q
     Raises ValueError off CPU or for a dtype the kernels do not take (float32 / bfloat16 / float16 on CPU).
     """
     probe = model.model.norm.weight
-    supported = int8_supported if config.bits == 8 else int4_supported
-    if not supported(probe.device, probe.dtype):
-        raise ValueError(
-            f"--torchao-config {config.name} runs torch's CPU kernels: CPU with float32 / bfloat16 / float16 only, "
-            f"not {probe.device.type} {probe.dtype}"
-        )
+    check_weight_only_supported(config, probe.device, probe.dtype)
     quantized = kept = before = after = 0
     for layer in model.model.layers:
         for path in PROJECTIONS:
