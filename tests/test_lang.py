@@ -129,6 +129,14 @@ def test_sampling_defaults_from_run_under_the_gens_own() -> None:
     # Unset fields are not sent: the server's defaults apply (radixserve up: greedy).
     assert b.to_srt_kwargs() == {"max_new_tokens": 11, "stop": ["<|im_end|>"], "temperature": 0.3, "top_p": 0.9}
 
+    @sgl.function
+    def takes_max_tokens(s: Any, max_tokens: int) -> None:  # a parameter named like a sampling default is its own
+        s += sgl.gen("a", max_tokens=max_tokens)
+
+    takes_max_tokens.run(max_tokens=3, temperature=0.5, backend=backend)
+    last = backend.calls[-1][2]
+    assert (last.max_new_tokens, last.temperature) == (3, 0.5)
+
 
 def test_dtype_gens_become_regexes_and_parse(backend: FakeBackend) -> None:
     @sgl.function

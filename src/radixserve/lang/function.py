@@ -31,9 +31,12 @@ SAMPLING_DEFAULT_NAMES = (
 )
 
 
-def _split_sampling(kwargs: dict[str, Any]) -> tuple[SglSamplingParams, dict[str, Any]]:
-    """(the sampling defaults among ``kwargs``, the rest)."""
-    sampling = {k: kwargs.pop(k) for k in SAMPLING_DEFAULT_NAMES if k in kwargs}
+def _split_sampling(
+    kwargs: dict[str, Any], program_args: Sequence[str] = ()
+) -> tuple[SglSamplingParams, dict[str, Any]]:
+    """(the sampling defaults among ``kwargs``, the rest); a name the program takes as a parameter is the
+    program's."""
+    sampling = {k: kwargs.pop(k) for k in SAMPLING_DEFAULT_NAMES if k in kwargs and k not in program_args}
     max_tokens = sampling.pop("max_tokens", None)
     if max_tokens is not None and sampling.get("max_new_tokens") is None:
         sampling["max_new_tokens"] = max_tokens
@@ -87,11 +90,12 @@ class SglFunction:
 
         ``kwargs`` are the program's arguments, and the sampling defaults for its gens (``max_new_tokens`` or
         ``max_tokens``, ``stop``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, the penalties, ``ignore_eos``,
-        the logprob fields); a gen's own parameters win, and what neither sets is left to the server. ``stream``:
-        return at once and read the text as it comes with ``state.text_iter()``. ``backend``: default
-        ``global_config.default_backend``; ValueError when there is none.
+        the logprob fields; a name the program itself takes is its argument); a gen's own parameters win, and what
+        neither sets is left to the server. ``stream``: return at once and read the text as it comes with
+        ``state.text_iter()``. ``backend``: default ``global_config.default_backend``; ValueError when there is
+        none.
         """
-        defaults, program_kwargs = _split_sampling(dict(kwargs))
+        defaults, program_kwargs = _split_sampling(dict(kwargs), self.arg_names)
         return run_program(self, _backend(backend), args, program_kwargs, defaults, stream)
 
     def run_batch(
