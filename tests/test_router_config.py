@@ -45,6 +45,7 @@ def test_flags_map_to_fields():
         (("--worker-urls", "http://a:1", "--block-tokens", "0"), "--block-tokens"),
         (("--worker-urls", "http://a:1", "--connect-timeout-s", "0"), "--connect-timeout-s"),
         (("--worker-urls", "http://a:1", "--pending-probe-interval-s", "0"), "--pending-probe-interval-s"),
+        (("--worker-urls", "http://a:1", "--shutdown-timeout", "-1"), "--shutdown-timeout"),
     ],
 )
 def test_invalid_settings_name_the_flag(argv, needle):
@@ -121,3 +122,16 @@ def test_keys_default_from_the_environment_and_help_never_shows_them(monkeypatch
     assert getattr(parse("--worker-urls", "http://a:1"), field) is None  # empty: no key
     monkeypatch.delenv(env)
     assert getattr(parse("--worker-urls", "http://a:1"), field) is None
+
+
+def test_shutdown_timeout_defaults_to_30_s_or_the_environment(monkeypatch, capsys):
+    # Graceful drain (docs/contracts.md): the operator sets RADIXSERVE_SHUTDOWN_TIMEOUT for engine and router alike.
+    monkeypatch.delenv("RADIXSERVE_SHUTDOWN_TIMEOUT", raising=False)
+    assert parse("--worker-urls", "http://a:1").shutdown_timeout == 30.0
+    monkeypatch.setenv("RADIXSERVE_SHUTDOWN_TIMEOUT", "120")
+    assert parse("--worker-urls", "http://a:1").shutdown_timeout == 120.0
+    assert parse("--worker-urls", "http://a:1", "--shutdown-timeout", "0").shutdown_timeout == 0.0  # the flag wins
+    monkeypatch.setenv("RADIXSERVE_SHUTDOWN_TIMEOUT", "soon")
+    with pytest.raises(SystemExit):  # a usage error naming the flag, as a bad flag value
+        parse("--worker-urls", "http://a:1")
+    assert "--shutdown-timeout: invalid float value: 'soon'" in capsys.readouterr().err

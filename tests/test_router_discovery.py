@@ -450,10 +450,22 @@ def test_endpoints_from_slices_pure():
     s2["metadata"]["name"] = "b"
     s2["endpoints"] = None  # the API sends null for a Service with no endpoints
     s3 = make_slice("c", "svc", [{"addresses": ["10.0.0.3"]}])  # no conditions at all, no targetRef
-    got = endpoints_from_slices([s, s2, s3])
+    # A pod being deleted, as the EndpointSlice controller reports it during its termination grace period: still
+    # serving (its readiness probe passes) but terminating, and ready false. Serving false alone excludes it too.
+    s4 = make_slice(
+        "d",
+        "svc",
+        [
+            {"addresses": ["10.0.0.4"], "conditions": {"ready": False, "serving": True, "terminating": True}},
+            {"addresses": ["10.0.0.5"], "conditions": {"serving": False}},
+            {"addresses": ["10.0.0.6"], "conditions": {"ready": True, "serving": True, "terminating": False}},
+        ],
+    )
+    got = endpoints_from_slices([s, s2, s3, s4])
     assert got == {
         "http://10.0.0.1:30000": Endpoint("http://10.0.0.1:30000", "svc", None, "p1"),
         "http://10.0.0.3:30000": Endpoint("http://10.0.0.3:30000", "svc", None, None),
+        "http://10.0.0.6:30000": Endpoint("http://10.0.0.6:30000", "svc", None, None),
     }
 
 

@@ -29,6 +29,7 @@ class Worker:
     state: str
     last_error: str | None = None
     models: tuple[str, ...] = ()
+    draining: bool = False
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,15 @@ HEADER_ROUTE_REASON = "x-radixserve-route-reason"
 # Why the router picked an engine (header value and decisions_total label): it holds / owns the prompt's prefix, nobody
 # holds any of it yet, the preferred engine was over its load bound, an earlier choice failed, a load-only policy.
 ROUTE_REASONS = ("cache-affinity", "cold", "hot-prefix", "load-spill", "retry", "fallback")
+# On a draining server's 503s (its /health, /ready, and the requests it no longer admits): the server is alive and
+# finishing what it has in flight, not stuck (a router never counts such an engine as stalled). Value "1".
+HEADER_DRAINING = "x-radixserve-draining"
+
+# Graceful drain (docs/contracts.md, "Graceful drain"): seconds a server lets its requests in flight finish after
+# SIGTERM / Ctrl-C before it ends the rest (--shutdown-timeout of engine and router; SGLang's and Kubernetes' 30 s).
+# The engine's and the router's flag default to this environment variable when it is set (the operator sets it).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_ENV = "RADIXSERVE_SHUTDOWN_TIMEOUT"
 
 # Engine endpoints
 ENGINE_HEALTH_PATH = "/health"

@@ -9,7 +9,7 @@ import asyncio
 import errno
 import logging
 import socket
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 logger = logging.getLogger("radixserve.serving")
@@ -142,6 +142,7 @@ def serve(
     sockets: list[socket.socket] | None = None,
     on_listening: Callable[[str], None] | None = None,
     on_exit: Callable[[], None] | None = None,
+    drain: Callable[[], Awaitable[None]] | None = None,
     access_log: bool = True,
     probe_paths: Collection[str] = (),
     forced_shutdown_s: float = FORCED_SHUTDOWN_S,
@@ -160,6 +161,14 @@ def serve(
     the engine and the router end requests in flight there with a clean 503 / SSE error event instead of letting the
     graceful timeout cut them. ``probe_paths`` are kept out of the access log below DEBUG (``ProbeAccessFilter``).
     ``config``: further ``uvicorn.Config`` keywords (``backlog``, ``timeout_graceful_shutdown``, ...).
+
+    ``drain``: a graceful drain (docs/contracts.md, "Graceful drain"). The first SIGINT/SIGTERM then does not stop
+    uvicorn: ``on_exit`` runs, then ``drain()`` runs as a task on the server's loop while the server keeps listening
+    (so readiness probes and new requests get the app's 503s rather than refused connections), and uvicorn's
+    shutdown starts once it returns (or raises). A second signal during the drain cancels that task (``drain`` must
+    then end what is left at once, e.g. in a ``finally``) and the shutdown follows; a signal after that forces the
+    exit as below. ``drain`` bounds its own duration (the app's shutdown timeout). A signal before the server has
+    started stops it at once, as without ``drain``.
 
     A second SIGINT (Ctrl-C twice) forces the exit: uvicorn stops waiting for connections and tasks and skips the
     app's lifespan shutdown, so ``asyncio.run`` would cancel the lifespan task and Starlette log that CancelledError
@@ -188,13 +197,40 @@ def serve(
     uconfig = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=access_log, **config)
 
     class Server(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        drain_task: asyncio.Task[None] | None = None
+        draining = False  # the first signal started the drain (and not the shutdown)
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             if on_exit is not None:
                 on_exit()
-            super().handle_exit(sig, frame)
+            if drain is None or self.loop is None or self.should_exit:
+                super().handle_exit(sig, frame)
+                return
+            self._captured_signals.append(sig)  # re-raised once the server has stopped, as uvicorn does
+            if self.draining:  # a second signal: stop draining, shut down now
+                self.loop.call_soon_threadsafe(self._cancel_drain)
+            else:
+                self.draining = True
+                self.loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            assert drain is not None
+            self.drain_task = asyncio.ensure_future(drain())
+            self.drain_task.add_done_callback(self._drained)
+
+        def _cancel_drain(self) -> None:
+            if self.drain_task is not None and not self.drain_task.done():
+                self.drain_task.cancel()
+
+        def _drained(self, task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("drain failed; shutting down", exc_info=task.exception())
+            self.should_exit = True
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
+            self.loop = asyncio.get_running_loop()
             if self.started and on_listening is not None:
                 on_listening(url)
 

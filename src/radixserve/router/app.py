@@ -34,7 +34,7 @@ from radixserve.router.cache_state import CacheStateTracker
 from radixserve.router.cache_state import attach as attach_cache_oracle
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.proxy import Proxy
+from radixserve.router.proxy import DRAINING_MESSAGE, Proxy
 from radixserve.router.readiness import ReadyAnnouncer
 from radixserve.router.types import RequestKind
 from radixserve.router.workers import WorkerPool
@@ -46,6 +46,8 @@ _OPEN_PATHS = frozenset(
     {constants.ROUTER_LIVE_PATH, constants.ROUTER_HEALTH_PATH, constants.ROUTER_READY_PATH, "/metrics"}
 )
 _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+# On every 503 of a draining router (docs/contracts.md, "Graceful drain").
+_DRAINING_HEADERS = {"retry-after": "1", constants.HEADER_DRAINING: "1"}
 
 
 class _RouterApp(FastAPI):
@@ -162,7 +164,6 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.loop = asyncio.get_running_loop()  # for signal handlers (run_router's Server.handle_exit)
         await pool.start()
         await cache.start()
         await discovery.start(on_change)
@@ -230,21 +231,23 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
 
     def unroutable() -> JSONResponse:
         """The 503 while no engine is routable: why (engines still starting, or ejected and for what), and when to
-        retry."""
+        retry. While draining: that the router takes no new requests."""
+        if proxy.draining:
+            return _error_response(DRAINING_MESSAGE, 503, headers=_DRAINING_HEADERS)
         why = proxy.unroutable(None)
         return _error_response(why.message, 503, headers={"retry-after": str(why.retry_after_s)})
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         # 503, not an empty list, while nothing is routable: an empty list reads as "this server has no models".
-        if not pool.routable(None):
+        if not pool.routable(None) or proxy.draining:
             return unroutable()
         return JSONResponse({"object": "list", "data": cards()})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> JSONResponse:
         found = cards(model)
-        if not found and not pool.routable(None):
+        if (not found and not pool.routable(None)) or proxy.draining:
             return unroutable()
         if not found:
             return _error_response(f"The model `{model}` does not exist.", 404, "model")
@@ -258,7 +261,13 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
     @app.get(constants.ROUTER_HEALTH_PATH)
     async def health() -> JSONResponse:
         age = discovery.age_s()
-        status = routability(len(pool.routable(None)), len(pool.workers))
+        status = "draining" if proxy.draining else routability(len(pool.routable(None)), len(pool.workers))
+        if status == "draining":
+            headers: dict[str, str] | None = _DRAINING_HEADERS
+        elif status == "unavailable":
+            headers = {"retry-after": str(proxy.unroutable(None).retry_after_s)}
+        else:
+            headers = None
         return JSONResponse(
             {
                 "status": status,
@@ -273,14 +282,14 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
                 "prefix_keys": {m: ("tokens" if extractor.has_tokenizer(m) else "chars") for m in pool.models()},
                 "workers": [{**w.describe(), **cache.describe(w.url)} for w in pool.workers.values()],
             },
-            status_code=503 if status == "unavailable" else 200,
-            headers={"retry-after": str(proxy.unroutable(None).retry_after_s)} if status == "unavailable" else None,
+            status_code=503 if status in ("unavailable", "draining") else 200,
+            headers=headers,
         )
 
     @app.get(constants.ROUTER_READY_PATH)
     async def ready() -> Response:
         n = len(pool.routable(None))
-        if n:
+        if n and not proxy.draining:
             return JSONResponse({"status": "ready", "routable_workers": n})
         return unroutable()
 
@@ -294,7 +303,7 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
 
 def routability(routable: int, known: int) -> str:
     """``/health``'s status: ``ok`` (every known worker routable, at least one), ``degraded`` (some),
-    ``unavailable`` (none; answered with 503)."""
+    ``unavailable`` (none; answered with 503). A draining router answers ``draining`` (503) instead."""
     if routable and routable >= known:
         return "ok"
     return "degraded" if routable else "unavailable"
@@ -306,17 +315,18 @@ def _str_or_none(x: Any) -> str | None:
 
 def run_router(args: RouterArgs) -> int:
     """Serve the router with uvicorn on ``args.host:args.port`` until Ctrl-C/SIGTERM; returns the exit status.
-    No concurrency limit; a large listen backlog; no per-request access log (it sits in every request's path)."""
+    No concurrency limit; a large listen backlog; no per-request access log (it sits in every request's path).
+
+    The first Ctrl-C/SIGTERM drains (``Proxy.drain``: readiness fails and new requests get 503 at once, requests in
+    flight finish for up to ``args.shutdown_timeout`` seconds, the rest then end with a 503 or an SSE error event);
+    a second one ends them at once. Then uvicorn shuts down."""
     raise_open_files_limit()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
     app = create_app(args)
+    proxy: Proxy = app.state.proxy
 
-    def end_requests_in_flight() -> None:
-        # End requests in flight with a proper 503 / SSE error event now, rather than have the graceful timeout
-        # cut them; the signal may arrive mid-loop-iteration, so hand it to the loop.
-        loop = getattr(app.state, "loop", None)
-        if loop is not None:
-            loop.call_soon_threadsafe(app.state.proxy.begin_shutdown)
+    async def drain() -> None:
+        await proxy.drain(args.shutdown_timeout)
 
     return serve(  # binds first: a port in use is a one-line BindError (exit 2), the "serving" line only once bound
         app,
@@ -324,7 +334,7 @@ def run_router(args: RouterArgs) -> int:
         args.port,
         args.log_level,
         on_listening=lambda url: logger.info("router serving on %s", url),
-        on_exit=end_requests_in_flight,
+        drain=drain,
         access_log=False,
         probe_paths=_OPEN_PATHS,
         backlog=8192,

@@ -3,6 +3,7 @@
 Times are in seconds, sizes in bytes, token counts in tokens. ``RouterArgs.validate()`` raises ``RouterConfigError``
 (a ``ValueError``) naming the flag at fault. The two keys default from the environment (``API_KEY_ENV``,
 ``ENGINE_API_KEY_ENV``), so they need not be on a command line, and ``--help`` never shows their values.
+``--shutdown-timeout`` defaults to ``$RADIXSERVE_SHUTDOWN_TIMEOUT`` when it is set, as the engine's does.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class RouterArgs:
     max_connections: int = 2048  # pooled connections to the engines, all together
     discovery_relist_s: float = 30.0
     discovery_stale_s: float = 90.0
+    # Graceful drain: seconds requests in flight may still run after SIGTERM / Ctrl-C (default: $SHUTDOWN_TIMEOUT_ENV)
+    shutdown_timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT_S
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -111,6 +114,8 @@ class RouterArgs:
         ):
             if not getattr(self, name) > 0:
                 raise RouterConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not self.shutdown_timeout >= 0:
+            raise RouterConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.readmit_after_s < 0:
             raise RouterConfigError(f"--readmit-after-s must be >= 0, got {self.readmit_after_s}")
         if self.max_retries < 0:
@@ -183,6 +188,10 @@ HELP: dict[str, str] = {
     "max_connections": "pooled connections to the engines, all together",
     "discovery_relist_s": "seconds between full relists of the EndpointSlices",
     "discovery_stale_s": "seconds without a discovery update before the worker list counts as stale",
+    "shutdown_timeout": "graceful drain: on SIGTERM / Ctrl-C /health and /ready fail and new requests get 503 at once, "
+    "while requests in flight (streams too) may finish for up to this many seconds; the rest then end with a 503 or "
+    f"an SSE error event (a second Ctrl-C: at once) (default: %(default)s; ${constants.SHUTDOWN_TIMEOUT_ENV} when "
+    "set)",
     "log_level": "log level (case-insensitive)",
 }
 
@@ -217,6 +226,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
             continue
         if f.name == "worker_urls":
             parser.add_argument(flag, nargs="+", default=default, metavar="URL", help=help_text)
+            continue
+        if f.name == "shutdown_timeout":  # a string default is converted by type=float: a bad value is a usage error
+            env = os.environ.get(constants.SHUTDOWN_TIMEOUT_ENV) or None
+            parser.add_argument(flag, type=float, default=default if env is None else env, help=help_text)
             continue
         if typ == "bool":
             parser.add_argument(flag, action="store_true", default=default, help=help_text)

@@ -1,7 +1,9 @@
-"""The requests in flight through this router: ended early on shutdown, moved off an engine that stalls.
+"""The requests in flight through this router: drained, ended early on shutdown, moved off an engine that stalls.
 
-Each relay registers its task for its whole life (``begin_shutdown`` cancels them all) and, while it waits on an
-engine, itself under that engine's URL (``abandon_stalled`` gives those up). Everything runs on the event loop.
+Each relay registers its task for its whole life (``wait_idle`` waits for them to end, ``begin_shutdown`` cancels
+them all) and, while it waits on an engine, itself under that engine's URL (``abandon_stalled`` gives those up).
+``start_draining`` marks the router as draining (docs/contracts.md, "Graceful drain"): the proxy then admits no new
+request. Everything runs on the event loop.
 """
 
 from __future__ import annotations
@@ -23,19 +25,47 @@ class Abandonable(Protocol):
 
 
 class InFlight:
-    """The registry of relays. ``shutting_down`` turns true with ``begin_shutdown`` and stays so."""
+    """The registry of relays. ``draining`` turns true with ``start_draining``, ``shutting_down`` with
+    ``begin_shutdown``; both stay so."""
 
     def __init__(self) -> None:
+        self.draining = False
         self.shutting_down = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_worker: dict[str, set[Abandonable]] = {}
+        self._idle: asyncio.Event | None = None  # set while no task is registered (created by wait_idle)
+
+    def __len__(self) -> int:
+        """Requests in flight (relays registered)."""
+        return len(self._tasks)
 
     def add(self, task: asyncio.Task[Any]) -> None:
         """``task`` serves a request until ``discard``."""
         self._tasks.add(task)
+        if self._idle is not None:
+            self._idle.clear()
 
     def discard(self, task: asyncio.Task[Any]) -> None:
+        """``task`` has ended (or no longer counts in flight)."""
         self._tasks.discard(task)
+        if not self._tasks and self._idle is not None:
+            self._idle.set()
+
+    def start_draining(self) -> None:
+        """Admit no new request from now on (the proxy answers them 503); those in flight go on."""
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight, at most ``timeout_s`` seconds; True when none is left."""
+        if not self._tasks:
+            return True
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
+        except TimeoutError:
+            return not self._tasks
+        return True
 
     def watch(self, relay: Abandonable, worker_url: str) -> None:
         """``relay`` now waits on ``worker_url`` (until ``unwatch``)."""

@@ -41,6 +41,8 @@ class ProbedPool(Protocol):
 
     def record_failure(self, w: WorkerState, reason: str, definite: bool = False) -> None: ...
 
+    def record_draining(self, w: WorkerState) -> None: ...
+
 
 class HealthProber:
     """Probes the workers of ``pool`` through ``client`` (short timeouts; the engine API key of ``args``, if any, on
@@ -103,6 +105,9 @@ class HealthProber:
         )
         try:
             r = await self.client.get(w.url + constants.ENGINE_HEALTH_PATH, timeout=timeout)
+            if r.status_code == 503 and r.headers.get(constants.HEADER_DRAINING):
+                self.pool.record_draining(w)  # alive and finishing its requests: unroutable, never stalled
+                return
             if r.status_code != 200:
                 raise _ProbeError.answered(r.status_code, constants.ENGINE_HEALTH_PATH)
             # Every probe re-reads the models: the URL may now be a new process (a restart, a reused pod IP)

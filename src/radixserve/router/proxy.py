@@ -13,6 +13,7 @@ to read ``cached_tokens``, and strips that chunk when the client did not ask for
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -35,6 +36,10 @@ from radixserve.router.workers import WorkerPool, WorkerState
 
 # Bodies over this many bytes are parsed and keyed in a worker thread, so one huge prompt cannot stall the loop.
 OFFLOAD_BODY_BYTES = 64 * 1024
+# The 503 of a request that reaches a draining router (docs/contracts.md, "Graceful drain").
+DRAINING_MESSAGE = "the router is shutting down and takes no new requests; retry"
+
+logger = logging.getLogger("radixserve.router")
 
 _H_CT = b"content-type"
 
@@ -80,6 +85,38 @@ class Proxy:
         """End every request in flight now (``InFlight.begin_shutdown``; call on the event loop)."""
         self.inflight.begin_shutdown()
 
+    @property
+    def draining(self) -> bool:
+        """Whether ``drain`` has begun: readiness fails and new requests get a 503."""
+        return self.inflight.draining
+
+    async def drain(self, timeout_s: float) -> None:
+        """The router's graceful drain (docs/contracts.md, "Graceful drain"; call on the event loop, once): from now
+        on ``/health`` and ``/ready`` fail and every new request gets an OpenAI-format 503 with ``Retry-After: 1``
+        and ``x-radixserve-draining: 1``; the requests in flight, streams included, go on for up to ``timeout_s``
+        seconds (``--shutdown-timeout``); then those still in flight end as on an immediate shutdown
+        (``begin_shutdown``: a 503, or an SSE error event and ``[DONE]``). Cancelled (a second Ctrl-C), it ends
+        them at once the same way. Returns when no request is left in flight or they have been told to end."""
+        t0 = time.monotonic()
+        self.inflight.start_draining()
+        n = len(self.inflight)
+        logger.info(
+            "draining: %d request(s) in flight may finish within %g s (--shutdown-timeout); new requests get 503",
+            n,
+            timeout_s,
+        )
+        done = False
+        try:
+            done = await self.inflight.wait_idle(timeout_s)
+        finally:
+            left = len(self.inflight)
+            if done or not left:
+                logger.info("drained: every request finished (%.1f s)", time.monotonic() - t0)
+            else:
+                why = "stopped at once" if time.monotonic() - t0 < timeout_s else f"{timeout_s:g} s passed"
+                logger.warning("drain: %s; ending the %d request(s) still in flight", why, left)
+            self.begin_shutdown()
+
     def abandon_stalled(self, w: WorkerState, why: str) -> None:
         """``w`` stalled (``WorkerPool.on_stall``): its requests give it up (``InFlight.abandon_stalled``)."""
         self.inflight.abandon_stalled(w.url, why)
@@ -95,6 +132,9 @@ class Proxy:
     async def handle(self, kind: RequestKind, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one generation request (see the module docstring)."""
         t0 = time.perf_counter()
+        if self.inflight.draining:
+            await self.counter.error(send, 503, DRAINING_MESSAGE, "unknown", t0=t0, draining=True)
+            return
         rid = scope.get(REQUEST_ID_SCOPE_KEY) or random_id()
         raw: bytes = scope.get(BODY_SCOPE_KEY, b"")
         big = len(raw) > OFFLOAD_BODY_BYTES
@@ -115,6 +155,9 @@ class Proxy:
             key = self.extractor.extract(kind, request.body, model)
         prompt_tokens = key.prompt_tokens if key is not None else 0
         ranked = self.policy.rank(key, [w.load for w in workers], prompt_tokens + request.out_tokens)
+        if self.draining:  # began while this request was parsed (a big body, in a thread)
+            await self.counter.error(send, 503, DRAINING_MESSAGE, model, t0=t0, draining=True)
+            return
         routed = Routed(request, path, key, workers, ranked, prompt_tokens, self.upstream.headers(rid), t0)
         await Relay(self.relays, routed).run(receive, send)
 

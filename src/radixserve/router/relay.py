@@ -241,7 +241,13 @@ class Relay:
                 await self._close()
                 await self._error(send, 502, f"the engine {w.url} failed: {type(e).__name__}", worker=w.url)
                 return
-            if resp.status_code >= 500:
+            if resp.status_code == 503 and resp.headers.get(constants.HEADER_DRAINING):
+                ctx.pool.record_draining(w)  # shutting down, not failing: unroutable at once, no ejection
+                if tried < attempts:
+                    last_error = f"{w.url}: draining"
+                    await self._close()
+                    continue
+            elif resp.status_code >= 500:
                 ctx.pool.record_failure(w, status_reason(resp.status_code, "POST", path))
                 if resp.status_code == 503 and tried < attempts:
                     last_error = f"{w.url}: answered 503"

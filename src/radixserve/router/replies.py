@@ -19,6 +19,7 @@ from radixserve.router.unavailable import RETRY_SOON_S, retry_after_header
 
 _JSON_CT = (b"content-type", b"application/json")
 _H_WORKER = constants.HEADER_WORKER.encode()
+DRAINING_HEADER = (constants.HEADER_DRAINING.encode(), b"1")
 
 
 class RequestCounter:
@@ -45,16 +46,20 @@ class RequestCounter:
         t0: float | None = None,
         worker: str | None = None,
         retry_after_s: int = RETRY_SOON_S,
+        draining: bool = False,
     ) -> None:
         """Answer an OpenAI error body and count it (with its duration when ``t0``, the arrival time in
         ``perf_counter`` seconds, is given; naming the engine at fault in ``x-radixserve-worker`` when ``worker`` is;
-        a 429 or 503 with ``Retry-After: retry_after_s``)."""
+        a 429 or 503 with ``Retry-After: retry_after_s``; ``x-radixserve-draining: 1`` when ``draining``: the router
+        is draining and admits nothing new)."""
         body = json.dumps(error_body(message, status, param)).encode()
         headers = [_JSON_CT, (b"content-length", str(len(body)).encode())]
         if status in (429, 503):
             headers.append(retry_after_header(retry_after_s))
         if worker is not None:
             headers.append((_H_WORKER, worker.encode()))
+        if draining:
+            headers.append(DRAINING_HEADER)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self.count(model, status)

@@ -30,6 +30,7 @@ class _Worker(Protocol):
     def last_error(self) -> str | None: ...
 
     models: tuple[str, ...]
+    draining: bool
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,10 @@ def unroutable(workers: Iterable[_Worker], readmit_after_s: float, model: str | 
     pending = sum(w.state == "pending" for w in known)
     ejected = Counter(w.last_error or "no answer" for w in known if w.state == "ejected")
     causes = [f"{n} ejected after {reason}" for reason, n in sorted(ejected.items(), key=lambda kv: -kv[1])]
-    routable = sum(w.state in ("healthy", "probing") for w in known)
+    draining = sum(w.draining for w in known)
+    if draining:
+        causes.append(f"{draining} draining (shutting down)")
+    routable = sum(w.state in ("healthy", "probing") and not w.draining for w in known)
     what = "no engine" if model is None else f"no engine for model `{model}`"
     if pending:
         detail = "; ".join([f"{pending} still starting", *causes])
@@ -63,9 +67,8 @@ def unroutable(workers: Iterable[_Worker], readmit_after_s: float, model: str | 
             f"{what} is ready yet ({routable} of {len(known)} routable: {detail}); retry shortly", RETRY_SOON_S
         )
     detail = "; ".join(causes) or "none routable"
-    return Unroutable(
-        f"{what} is routable ({routable} of {len(known)}): {detail}", max(RETRY_SOON_S, math.ceil(readmit_after_s))
-    )
+    retry_s = RETRY_SOON_S if draining and not ejected else max(RETRY_SOON_S, math.ceil(readmit_after_s))
+    return Unroutable(f"{what} is routable ({routable} of {len(known)}): {detail}", retry_s)
 
 
 def retry_after_header(seconds: int) -> tuple[bytes, bytes]:

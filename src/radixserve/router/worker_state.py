@@ -30,6 +30,9 @@ class WorkerState:
     gauges: tuple[Any, Any] | None = field(default=None, repr=False)  # (in-flight requests, tokens) gauge children
     answered_at: float = 0.0  # monotonic seconds the last successful probe ended
     probe_failing: bool = False  # the latest probe of the probe loop failed (no answer, or not a healthy one)
+    # The engine said it is draining (a 503 with x-radixserve-draining): not routable, its requests in flight go on,
+    # never counted as stalled. Cleared by its next successful probe (a restart at the same URL).
+    draining: bool = False
 
     @property
     def state(self) -> WorkerHealthState:
@@ -66,6 +69,7 @@ class WorkerState:
             "inflight_tokens": self.load.inflight_tokens,
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
+            "draining": self.draining,
             "pod": self.endpoint.pod,
             "inference_service": self.endpoint.inference_service,
         }

@@ -119,7 +119,11 @@ class WorkerPool:
         cached = self._routable_cache.get(model)
         if cached is not None:
             return cached
-        out = [w for w in self.workers.values() if w.breaker.routable and (model is None or model in w.models)]
+        out = [
+            w
+            for w in self.workers.values()
+            if w.breaker.routable and not w.draining and (model is None or model in w.models)
+        ]
         self._routable_cache[model] = out
         return out
 
@@ -141,7 +145,26 @@ class WorkerPool:
         now = time.monotonic()
         if probe:
             w.answered_at, w.probe_failing = now, False
+            if w.draining and not w.removed:
+                w.draining = False
+                self._changed()
+                logger.info("worker %s serves again (it was draining)", w.url)
         self._on_transition(w, w.breaker.success(now, probe))
+
+    def record_draining(self, w: WorkerState) -> None:
+        """``w`` answered a probe or a request with a draining 503 (``x-radixserve-draining``; docs/contracts.md,
+        "Graceful drain"): it takes no new request from now on, its requests in flight go on, and since it answers it
+        is never counted as stalled. One INFO line when it starts draining."""
+        w.answered_at, w.probe_failing = time.monotonic(), False
+        if w.draining or w.removed:
+            return
+        w.draining = True
+        self._changed()
+        logger.info(
+            "worker %s draining: takes no new requests; its %d request(s) in flight here go on",
+            w.url,
+            w.load.inflight_requests,
+        )
 
     def record_failure(self, w: WorkerState, reason: str, definite: bool = False) -> None:
         """A probe failed, or a proxied request could not connect / got a 5xx before the first byte. ``reason`` is the
