@@ -3,8 +3,10 @@
 It uses the real tokenizer and emits scripted ``ReqOutput`` deltas: sample ``i`` of a request produces the token ids
 of ``script`` rotated by ``i`` tokens (or, after ``set_outputs(texts)``, the tokens of ``texts[i % len(texts)]``),
 one token per step, ``delay_s`` seconds apart, until ``max_new_tokens`` (finish "length") or the end of the script
-(finish "stop", matched eos). Text deltas are decoded incrementally and never end in half a character. It records
-every request it received and every request aborted before finishing.
+(finish "stop", matched eos). Text deltas are decoded incrementally and never end in half a character. With
+``logprob_start_len`` the first delta of each sample carries scripted prompt logprobs (``prompt_logprobs``), and
+``max_new_tokens == 0`` scores the prompt and generates nothing. It records every request it received and every
+request aborted before finishing.
 """
 
 from __future__ import annotations
@@ -122,6 +124,17 @@ class FakeEngine:
         top = [(token_id, lp)] + [((token_id + j) % self.vocab_size, lp - j) for j in range(1, k)]
         return TokenLogprob(token_id=token_id, logprob=lp, top=top[:k])
 
+    def prompt_logprobs(self, req: GenerateRequest) -> list[TokenLogprob | None] | None:
+        """The scripted ``input_token_logprobs`` of ``req``: prompt position ``p`` (from ``logprob_start_len`` on)
+        scored as ``logprob_of(p, input_ids[p], top_logprobs_num)``; None at position 0, as the engine's."""
+        if req.logprob_start_len is None:
+            return None
+        k = req.top_logprobs_num
+        return [
+            None if p == 0 else self.logprob_of(p, req.input_ids[p], k)
+            for p in range(req.logprob_start_len, len(req.input_ids))
+        ]
+
     async def check_grammar(self, kind: str, text: str) -> None:
         if self.grammar_backend is not None:  # a test's stand-in: raises for the grammars it refuses
             await self.grammar_backend.get(kind, text)
@@ -137,6 +150,23 @@ class FakeEngine:
         sent_text = [""] * n
         self.running.add(req.rid)
         try:
+            prompt_lps = self.prompt_logprobs(req)
+            if sp.max_new_tokens == 0:  # a prompt scored, nothing generated (the server answers the others itself)
+                await asyncio.sleep(self.delay_s)
+                for i in range(n):
+                    yield ReqOutput(
+                        rid=req.rid,
+                        index=i,
+                        text="",
+                        token_ids=[],
+                        logprobs=[] if req.return_logprob else None,
+                        finish_reason={"type": "length", "matched": None},
+                        prompt_tokens=len(req.input_ids),
+                        completion_tokens=0,
+                        cached_tokens=min(self.cached_tokens, len(req.input_ids)),
+                        input_token_logprobs=prompt_lps,
+                    )
+                    done[i] = True
             step = 0
             while not all(done):
                 await asyncio.sleep(self.delay_s)
@@ -165,6 +195,7 @@ class FakeEngine:
                         prompt_tokens=len(req.input_ids),
                         completion_tokens=step + 1,
                         cached_tokens=min(self.cached_tokens, len(req.input_ids)),
+                        input_token_logprobs=prompt_lps if step == 0 else None,
                     )
                     if finish is not None:
                         done[i] = True

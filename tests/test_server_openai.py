@@ -318,8 +318,13 @@ def test_completion_echo_max_tokens_zero(client, engine):
     assert body["usage"]["completion_tokens"] == 0
     lp = choice["logprobs"]
     assert "".join(lp["tokens"]) == "Your answer: Yes"
-    assert lp["token_logprobs"] == [None] * len(lp["tokens"])
-    assert engine.requests == []  # nothing to generate: no engine round trip
+    # The prompt is scored (the engine's prefill): a number for every prompt token but the first.
+    assert lp["token_logprobs"][0] is None and all(v is not None for v in lp["token_logprobs"][1:])
+    assert [g.logprob_start_len for g in engine.requests] == [0]
+    engine.requests.clear()
+    body = client.post("/v1/completions", json={"prompt": "Yes", "max_tokens": 0, "echo": True}).json()
+    assert body["choices"][0]["text"] == "Yes" and body["choices"][0]["logprobs"] is None
+    assert engine.requests == []  # nothing to generate nor to score: no engine round trip
 
 
 def test_completion_max_tokens_zero_without_echo(client):
@@ -347,7 +352,8 @@ def test_completion_echo_text_offsets_continue_after_prompt(client):
     body = {"prompt": "hi there", "max_tokens": 2, "echo": True, "logprobs": 0}
     lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
     assert lp["text_offset"][0] == 0
-    n_prompt = lp["token_logprobs"].count(None)
+    n_prompt = len(lp["tokens"]) - 2
+    assert "".join(lp["tokens"][:n_prompt]) == "hi there"
     assert lp["text_offset"][n_prompt] == len("hi there")
 
 

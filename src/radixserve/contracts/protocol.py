@@ -404,6 +404,8 @@ class GenerateReqInput(_Request):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     return_logprob: bool = False
+    # With return_logprob: the logprobs of the prompt tokens from this position on (-1: none); one per prompt too.
+    logprob_start_len: int | list[int] = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None

@@ -2,10 +2,10 @@
 
 ``GenerationGroup`` drives one ``Engine.generate`` iterator per prompt (a batch of prompts is several requests; the
 ``n`` samples of one prompt are one request) in its own asyncio task and merges their ``ReqOutput`` deltas in arrival
-order (a request with ``max_new_tokens == 0`` is answered without the engine). ``start()`` waits for every
-request's first delta, so a full queue (429) or a shutting-down engine (503) is known before the HTTP response
-starts. Closing the group cancels the tasks, which closes the engine iterators; the engine then aborts the requests
-and frees their KV cache (SGLang's ``abort_request`` on disconnect).
+order (a request with ``max_new_tokens == 0`` and no prompt logprobs is answered without the engine). ``start()``
+waits for every request's first delta, so a full queue (429) or a shutting-down engine (503) is known before the HTTP
+response starts. Closing the group cancels the tasks, which closes the engine iterators; the engine then aborts the
+requests and frees their KV cache (SGLang's ``abort_request`` on disconnect).
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ class GenerationGroup:
 
     async def _pump(self, pos: int, first: asyncio.Future[None]) -> None:
         req = self.reqs[pos]
-        agen = self._nothing_to_generate(req) if req.sampling_params.max_new_tokens == 0 else self.engine.generate(req)
+        # Nothing to generate and no prompt to score: answered here. Prompt logprobs need the engine's prefill.
+        idle = req.sampling_params.max_new_tokens == 0 and req.logprob_start_len is None
+        agen = self._nothing_to_generate(req) if idle else self.engine.generate(req)
         try:
             async for out in agen:
                 if not first.done():

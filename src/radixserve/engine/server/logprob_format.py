@@ -29,30 +29,38 @@ def legacy_logprobs(
     k: int,
     offsets: TextOffsets,
     prompt_ids: list[int] | None = None,
+    prompt_lps: list[TokenLogprob | None] | None = None,
 ) -> CompletionLogprobs:
     """Legacy completions ``logprobs`` (parallel lists ``tokens``, ``token_logprobs``, ``top_logprobs``,
-    ``text_offset``) for ``prompt_ids`` (echo; logprobs unknown → null) then ``lps``.
+    ``text_offset``) for ``prompt_ids`` (echo) then ``lps`` (generated tokens).
 
-    ``offsets`` tracks where the next token starts in the choice's text (advanced here; kept across the chunks of a
-    stream). ``top_logprobs`` holds the top ``k`` alternatives plus the sampled token (OpenAI: up to ``k + 1``);
-    tokens that are not whole UTF-8 characters are shown as ``bytes:\\xNN...``.
+    ``prompt_lps``: the prompt tokens' logprobs, one per prompt token (the engine's ``input_token_logprobs`` from
+    position 0); an entry None (the first token: nothing precedes it), or all of them when ``prompt_lps`` is None,
+    shows as null. ``offsets`` tracks where the next token starts in the choice's text (advanced here; kept across
+    the chunks of a stream). ``top_logprobs`` holds the top ``k`` alternatives plus the token itself (OpenAI: up to
+    ``k + 1``); tokens that are not whole UTF-8 characters are shown as ``bytes:\\xNN...``.
     """
     out = CompletionLogprobs()
-    for t in prompt_ids or []:
-        out.tokens.append(texts.legacy(t))
-        out.token_logprobs.append(None)
-        out.top_logprobs.append(None)
-        out.text_offset.append(offsets.advance(t, in_prompt=True))
-    for lp in lps:
-        text = texts.legacy(lp.token_id)
+
+    def add(token_id: int, lp: TokenLogprob | None, in_prompt: bool) -> None:
+        text = texts.legacy(token_id)
+        out.tokens.append(text)
+        out.text_offset.append(offsets.advance(token_id, in_prompt=in_prompt))
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            return
         top: dict[str, float] = {}
         for t, v in lp.top[:k]:
             top.setdefault(texts.legacy(t), v)
         top.setdefault(text, lp.logprob)
-        out.tokens.append(text)
         out.token_logprobs.append(lp.logprob)
         out.top_logprobs.append(top)
-        out.text_offset.append(offsets.advance(lp.token_id))
+
+    for i, t in enumerate(prompt_ids or []):
+        add(t, prompt_lps[i] if prompt_lps is not None and i < len(prompt_lps) else None, True)
+    for lp in lps:
+        add(lp.token_id, lp, False)
     return out
 
 
@@ -66,4 +74,28 @@ def native_output_logprobs(texts: TokenTexts, lps: list[TokenLogprob], k: int, w
     return {
         "output_token_logprobs": [entry(lp.token_id, lp.logprob) for lp in lps],
         "output_top_logprobs": [[entry(t, v) for t, v in lp.top[:k]] for lp in lps],
+    }
+
+
+def native_input_logprobs(
+    texts: TokenTexts,
+    input_ids: list[int],
+    start: int,
+    lps: list[TokenLogprob | None],
+    k: int,
+    with_text: bool,
+) -> dict[str, Any]:
+    """SGLang's ``input_token_logprobs`` ``[[logprob | null, id, text | null]]`` (one per prompt position from
+    ``start``; null for position 0, nothing precedes it) and ``input_top_logprobs`` (per position ``k`` entries
+    ``[logprob, id, text | null]``, null for position 0). ``lps``: the engine's ``input_token_logprobs``."""
+
+    def entry(t: int, v: float | None) -> list[Any]:
+        return [v, t, texts.text(t) if with_text else None]
+
+    return {
+        "input_token_logprobs": [
+            entry(input_ids[start + j], None) if lp is None else entry(lp.token_id, lp.logprob)
+            for j, lp in enumerate(lps)
+        ],
+        "input_top_logprobs": [None if lp is None else [entry(t, v) for t, v in lp.top[:k]] for lp in lps],
     }

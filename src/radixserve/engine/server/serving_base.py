@@ -3,7 +3,8 @@
 ``Serving.handle``: ``build`` (validate, tokenize, turn the body into ``GenerateRequest`` s: a ``Job``) → submit them
 as one output group and wait for every request's first output (so 429 / 503 / grammar 400s are HTTP errors even for
 ``stream: true``) → either collect every output into the job's results and answer ``final`` as JSON, or stream
-``stream_head``, one ``stream_delta`` per output and ``stream_tail`` as SSE events, then ``data: [DONE]``. An error
+``stream_head``, one ``stream_delta`` per output (after ``stream_result_head`` before a result's first) and
+``stream_tail`` as SSE events, then ``data: [DONE]``. An error
 after the stream started is one SSE error event (the contracts' error body) and ``[DONE]``. A client that leaves
 cancels the group, which aborts the engine requests. Endpoints (``serving_chat.py``, ``serving_completions.py``,
 ``serving_native.py``) only build requests and format results.
@@ -44,17 +45,23 @@ class SampleState:
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The prompt's logprobs from the request's logprob_start_len on (position 0's entry None), once they arrive.
+    input_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: dict[str, Any] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    deltas: int = 0  # ReqOutputs added so far
 
     def add(self, out: ReqOutput) -> None:
         """Append one delta of this sample."""
+        self.deltas += 1
         self.text_parts.append(out.text)
         self.token_ids.extend(out.token_ids)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
+        if out.input_token_logprobs is not None:
+            self.input_logprobs = out.input_token_logprobs
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
         self.prompt_tokens = out.prompt_tokens
@@ -134,6 +141,11 @@ class Serving(ABC, Generic[BodyT, JobT]):
         """SSE events before any output (chat's role chunks, an echoed prompt)."""
         return ()
 
+    def stream_result_head(self, job: JobT, r: int) -> Iterable[dict[str, Any]]:
+        """SSE events before result ``r``'s first delta, once it has been added (a completion's echoed prompt, with
+        the prompt logprobs that delta brought)."""
+        return ()
+
     @abstractmethod
     def stream_delta(self, job: JobT, r: int, out: ReqOutput) -> dict[str, Any] | None:
         """The SSE event for ``out``, a delta of result ``r`` (already added to ``job.results[r]``); None: nothing
@@ -197,6 +209,9 @@ class Serving(ABC, Generic[BodyT, JobT]):
                 r = self._add(job, pos, out)
                 if self.aborts_are_errors and is_abort(out.finish_reason):
                     raise abort_error(out.finish_reason)
+                if job.results[r].deltas == 1:
+                    for event in self.stream_result_head(job, r):
+                        yield sse(event)
                 delta = self.stream_delta(job, r, out)
                 if delta is not None:
                     yield sse(delta)

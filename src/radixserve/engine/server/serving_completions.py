@@ -1,6 +1,11 @@
 """``POST /v1/completions`` (legacy): one ``GenerateRequest`` per prompt, choices prompt-major (choice ``p * n + i``
 is sample ``i`` of prompt ``p``), ``echo`` and legacy logprobs (after SGLang's
-``entrypoints/openai/serving_completions.py``)."""
+``entrypoints/openai/serving_completions.py``).
+
+``echo`` with ``logprobs``: the engine scores the prompt too (``logprob_start_len`` 0), so every prompt token but the
+first (nothing precedes it: null) has its logprob and top alternatives. A stream sends a choice's echoed prompt, with
+those logprobs, just before the choice's first generated text.
+"""
 
 from __future__ import annotations
 
@@ -95,6 +100,8 @@ class CompletionServing(Serving[CompletionRequest, CompletionJob]):
         k = req.logprobs
         if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "logprobs")
+        # echo + logprobs: the prompt tokens' logprobs too (the engine scores the prompt from position 0).
+        prompt_logprobs = req.echo and k is not None
         sp = sampling_params(ctx, req)
         prompts = await asyncio.to_thread(self._prompts, req.prompt)  # off the event loop: may take seconds
         # Absent or null → OpenAI's 16, clamped to the room left; an explicit value is checked strictly.
@@ -122,6 +129,7 @@ class CompletionServing(Serving[CompletionRequest, CompletionJob]):
                 sampling_params=p,
                 return_logprob=k is not None,
                 top_logprobs_num=k or 0,
+                logprob_start_len=0 if prompt_logprobs else None,
                 stream=req.stream,
                 arrival_time=arrival,
             )
@@ -163,8 +171,10 @@ class CompletionServing(Serving[CompletionRequest, CompletionJob]):
         st = job.results[c]
         if job.k is None:
             return None
-        prompt_ids = job.prompts[c // job.n][1] if echo and job.echo_texts is not None else None
-        return legacy_logprobs(self.ctx.texts, lps, job.k, st.offsets, prompt_ids)
+        if not echo or job.echo_texts is None:
+            return legacy_logprobs(self.ctx.texts, lps, job.k, st.offsets)
+        prompt_ids = job.prompts[c // job.n][1]
+        return legacy_logprobs(self.ctx.texts, lps, job.k, st.offsets, prompt_ids, st.input_logprobs)
 
     def final(self, job: CompletionJob) -> Any:
         choices = [
@@ -187,12 +197,10 @@ class CompletionServing(Serving[CompletionRequest, CompletionJob]):
             d.pop("usage")
         return d
 
-    def stream_head(self, job: CompletionJob) -> Iterable[dict[str, Any]]:
-        if job.echo_texts is None:
-            return
-        for c in range(len(job.results)):
-            logprobs = self._legacy(job, c, [], echo=True)
-            yield self._chunk(job, [CompletionChoice(index=c, text=self._echo(job, c), logprobs=logprobs)])
+    def stream_result_head(self, job: CompletionJob, r: int) -> Iterable[dict[str, Any]]:
+        if job.echo_texts is not None:  # the prompt's logprobs came with the choice's first delta
+            logprobs = self._legacy(job, r, [], echo=True)
+            yield self._chunk(job, [CompletionChoice(index=r, text=self._echo(job, r), logprobs=logprobs)])
 
     def stream_delta(self, job: CompletionJob, r: int, out: ReqOutput) -> dict[str, Any] | None:
         logprobs = self._legacy(job, r, out.logprobs) if out.logprobs else None

@@ -4,6 +4,10 @@ One ``GenerateRequest`` per prompt; a list of prompts (``[str]`` or ``[[int]]``)
 results, ordered prompt-major (prompt 0's samples, then prompt 1's ...). Streaming sends one SSE event per engine
 delta with the same shape (incremental ``text`` and ``output_ids``) plus ``index`` (the result's position), then
 ``data: [DONE]``. Aborted requests report ``finish_reason.type == "abort"`` in the result, not as an error.
+
+Logprobs (``return_logprob``): ``meta_info.output_token_logprobs`` / ``output_top_logprobs`` (a streamed event: its
+delta's), and ``input_token_logprobs`` / ``input_top_logprobs``, the prompt tokens' from ``logprob_start_len`` on
+(-1, the default: none, empty lists; every streamed event of a result carries them whole).
 """
 
 from __future__ import annotations
@@ -18,17 +22,18 @@ from starlette.requests import Request
 from radixserve.contracts.protocol import MAX_TOP_LOGPROBS, GenerateReqInput
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, SamplingParams, TokenLogprob
 from radixserve.engine.server.common import encode_text, request_id_of, resolve_max_tokens
-from radixserve.engine.server.logprob_format import native_output_logprobs
+from radixserve.engine.server.logprob_format import native_input_logprobs, native_output_logprobs
 from radixserve.engine.server.serving_base import Job, SampleState, Serving
 
 
 @dataclass(kw_only=True)
 class NativeResult(SampleState):
-    """One result: its ``meta_info.id`` (the request's rid, ``rid-i`` for sample ``i`` when ``n > 1``) and its
-    prompt's length in tokens."""
+    """One result: its ``meta_info.id`` (the request's rid, ``rid-i`` for sample ``i`` when ``n > 1``), its prompt's
+    token ids and where its prompt logprobs start (None: none asked)."""
 
     id: str
-    prompt_len: int
+    prompt: list[int]
+    logprob_start: int | None
 
 
 @dataclass(kw_only=True)
@@ -71,6 +76,27 @@ class NativeServing(Serving[GenerateReqInput, NativeJob]):
     def prompt_token_ids(self, body: GenerateReqInput) -> list[list[int]]:
         return self._prompts(body)[0]
 
+    @staticmethod
+    def _logprob_starts(body: GenerateReqInput, prompts: list[list[int]], batch: bool) -> list[int | None]:
+        """Each prompt's ``logprob_start_len`` for the engine (None: no prompt logprobs; always None without
+        ``return_logprob``, as SGLang ignores it then). Raises ``InvalidRequestError`` (400) for a list that does not
+        match the prompts, or a value that is neither -1 nor a position of its prompt."""
+        raw = body.logprob_start_len
+        if isinstance(raw, list):
+            if not batch or len(raw) != len(prompts):
+                raise InvalidRequestError("logprob_start_len list must have one entry per prompt", "logprob_start_len")
+            starts, params = raw, [f"logprob_start_len[{i}]" for i in range(len(raw))]
+        else:
+            starts, params = [raw] * len(prompts), ["logprob_start_len"] * len(prompts)
+        for start, ids, param in zip(starts, prompts, params):
+            if start != -1 and not 0 <= start < len(ids):
+                raise InvalidRequestError(
+                    f"{param} must be -1 (no prompt logprobs) or a position of the prompt, in [0, {len(ids)}): "
+                    f"the prompt has {len(ids)} tokens, got {start}",
+                    param,
+                )
+        return [s if body.return_logprob and s != -1 else None for s in starts]
+
     def _sampling(self, raw: dict[str, Any], prompt_len: int) -> SamplingParams:
         """``sampling_params`` over the engine's ``--preferred-sampling-params``; ``max_new_tokens`` defaults to 128,
         clamped to the room left. Raises ``InvalidRequestError`` (400) for unknown keys and bad values."""
@@ -100,6 +126,7 @@ class NativeServing(Serving[GenerateReqInput, NativeJob]):
             raise InvalidRequestError(
                 f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "top_logprobs_num"
             )
+        starts = self._logprob_starts(body, prompts, batch)
         if isinstance(body.rid, list):
             if not batch or len(body.rid) != len(prompts):
                 raise InvalidRequestError("rid list must have one entry per prompt", "rid")
@@ -114,14 +141,15 @@ class NativeServing(Serving[GenerateReqInput, NativeJob]):
                 sampling_params=sp,
                 return_logprob=body.return_logprob,
                 top_logprobs_num=k,
+                logprob_start_len=start,
                 stream=body.stream,
                 arrival_time=arrival,
             )
-            for rid, ids, sp in zip(rids, prompts, sps)
+            for rid, ids, sp, start in zip(rids, prompts, sps, starts)
         ]
         results = [
-            NativeResult(id=rid if sp.n == 1 else f"{rid}-{i}", prompt_len=len(ids))
-            for rid, ids, sp in zip(rids, prompts, sps)
+            NativeResult(id=rid if sp.n == 1 else f"{rid}-{i}", prompt=ids, logprob_start=start)
+            for rid, ids, sp, start in zip(rids, prompts, sps, starts)
             for i in range(sp.n)
         ]
         return NativeJob(
@@ -141,13 +169,19 @@ class NativeServing(Serving[GenerateReqInput, NativeJob]):
         """``meta_info`` of a result (or of one streamed delta of it: ``lps`` are that delta's logprobs)."""
         m: dict[str, Any] = {
             "id": st.id,
-            "prompt_tokens": st.prompt_len,
+            "prompt_tokens": len(st.prompt),
             "completion_tokens": st.completion_tokens,
             "cached_tokens": st.cached_tokens,
             "finish_reason": st.finish_reason,
         }
         if job.return_logprob:
-            m.update(native_output_logprobs(self.ctx.texts, lps or [], job.top_k, job.text_in_logprobs))
+            texts, k, with_text = self.ctx.texts, job.top_k, job.text_in_logprobs
+            m.update(native_output_logprobs(texts, lps or [], k, with_text))
+            start, prompt_lps = st.logprob_start, st.input_logprobs
+            if start is None or prompt_lps is None:  # none asked (or the request ended before its prefill)
+                m.update(input_token_logprobs=[], input_top_logprobs=[])
+            else:
+                m.update(native_input_logprobs(texts, st.prompt, start, prompt_lps, k, with_text))
         return m
 
     def final(self, job: NativeJob) -> Any:
