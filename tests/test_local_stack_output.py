@@ -202,7 +202,7 @@ def test_up_hands_the_api_key_to_engines_in_their_environment_only(
 
     routers: list[Any] = []
 
-    def router(args: Any) -> int:  # the router in this process, stopped by Ctrl-C once the engine has started
+    def router(args: Any, **_: Any) -> int:  # the router in this process, stopped by Ctrl-C once the engine started
         routers.append(args)
         assert wait_until(seen.exists, 30)
         print("the router writes a line", file=sys.stderr)

@@ -8,15 +8,20 @@ except that ``local_stack.engine_argv`` puts a stand-in script before the real e
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+
+from radixserve.contracts import constants
 
 from conftest import ROOT, free_port
 
@@ -40,10 +45,21 @@ SERVES = (
     "    time.sleep(1)\n"
 )
 CRASHES = "raise RuntimeError('stand-in engine: cannot load the model')\n"
+# A fake engine (tests/fake_engine_server.py: the real engine HTTP layer, scripted tokens) on the port `up` gives it;
+# it also prints the shutdown timeout it was given in its environment.
+FAKE_ENGINE = (
+    "import os, sys\n"
+    f"print('stand-in engine: shutdown timeout', os.environ.get('{constants.SHUTDOWN_TIMEOUT_ENV}'), flush=True)\n"
+    "port = sys.argv[sys.argv.index('--port') + 1]\n"
+    f"script = {os.path.join(ROOT, 'tests', 'fake_engine_server.py')!r}\n"
+    "os.execv(sys.executable, [sys.executable, script, '--port', port, '--delay-s', '0.02'])\n"
+)
 TAGS = ("router   | ", "engine-0 | ", "engine-1 | ")
 
 
-def _start_up(tmp_path: Path, engine_script: str, engines: int) -> tuple[subprocess.Popen[bytes], Path]:
+def _start_up(
+    tmp_path: Path, engine_script: str, engines: int, *flags: str
+) -> tuple[subprocess.Popen[bytes], Path, int]:
     model = tmp_path / "model"  # passes the start-up path check; the stand-in engines never read it
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -51,7 +67,8 @@ def _start_up(tmp_path: Path, engine_script: str, engines: int) -> tuple[subproc
     script = tmp_path / "engine.py"
     script.write_text(engine_script)
     log_path = tmp_path / "up.log"
-    argv = ["up", "--engines", str(engines), "--port", str(free_port()), "--engine-base-port", str(free_port())]
+    port = free_port()
+    argv = ["up", "--engines", str(engines), "--port", str(port), "--engine-base-port", str(free_port()), *flags]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-c", DRIVER, str(script), *argv, "--model-path", str(model)],
@@ -61,7 +78,7 @@ def _start_up(tmp_path: Path, engine_script: str, engines: int) -> tuple[subproc
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,  # a process group of its own, as a terminal's Ctrl-C reaches it
         )
-    return proc, log_path
+    return proc, log_path, port
 
 
 def _wait_for(proc: subprocess.Popen[bytes], log_path: Path, needles: list[str], timeout_s: float = 60) -> str:
@@ -85,7 +102,7 @@ def _alive(pid: int) -> bool:
 def test_a_stop_asked_for_exits_0_with_every_line_tagged(tmp_path: Path, how: str) -> None:
     # Regression (issue 11): Ctrl-C on `make run` ended with make's "Error 130" (make reports the recipe's status);
     # SIGTERM ended the process by the signal before it stopped its engines. And no line said which process wrote it.
-    proc, log_path = _start_up(tmp_path, SERVES, engines=2)
+    proc, log_path, _ = _start_up(tmp_path, SERVES, engines=2)
     engine_pids: list[int] = []
     try:
         text = _wait_for(
@@ -116,7 +133,7 @@ def test_a_stop_asked_for_exits_0_with_every_line_tagged(tmp_path: Path, how: st
 
 def test_an_engine_that_crashes_at_start_ends_the_stack_with_1_and_its_tagged_traceback(tmp_path: Path) -> None:
     # A real failure stays non-zero: an engine that exits at once, 3 times in a row, ends `up` with status 1.
-    proc, log_path = _start_up(tmp_path, CRASHES, engines=1)
+    proc, log_path, _ = _start_up(tmp_path, CRASHES, engines=1)
     try:
         assert proc.wait(90) == 1, log_path.read_text()[-3000:]
     finally:
@@ -132,3 +149,53 @@ def test_an_engine_that_crashes_at_start_ends_the_stack_with_1_and_its_tagged_tr
     assert lines.count(crash) == 3
     given_up = next(i for i, ln in enumerate(lines) if ln.startswith("router   | ") and ln.endswith(failure))
     assert max(i for i, ln in enumerate(lines) if ln == crash) < given_up  # the traceback first, then the verdict
+
+
+def test_ctrl_c_drains_the_stack_and_a_second_ctrl_c_stops_it_at_once(tmp_path: Path) -> None:
+    # Issue 16: Ctrl-C ended every stream in flight. Now the router stops admitting, streams go on; Ctrl-C again ends
+    # what is left with the error event at once; then the engines stop, and `up` exits 0.
+    proc, log_path, port = _start_up(tmp_path, FAKE_ENGINE, 1, "--shutdown-timeout", "60")
+    url = f"http://127.0.0.1:{port}"
+    streams: dict[int, list[str]] = {80: [], 400: []}  # max_tokens -> its SSE data lines (20 ms a token)
+    started = {n: threading.Event() for n in streams}
+
+    def stream(n: int) -> None:
+        body = {"prompt": "x", "max_tokens": n, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    streams[n].append(line)
+                    started[n].set()
+
+    try:
+        _wait_for(proc, log_path, ["radixserve.router: ready: "], timeout_s=90)
+        threads = [threading.Thread(target=stream, args=(n,), daemon=True) for n in streams]
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in started.values())
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/ready", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "readiness did not fail at Ctrl-C"
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503 and refused.headers[constants.HEADER_DRAINING] == "1"
+        threads[0].join(30)  # the short stream finishes while the stack drains
+        assert threads[1].is_alive() and proc.poll() is None
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C again: at once
+        threads[1].join(10)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    short = [json.loads(line.removeprefix("data: ")) for line in streams[80][:-1]]
+    assert streams[80][-1] == "data: [DONE]" and not any("error" in e for e in short)
+    assert short[-1]["choices"][0]["finish_reason"] == "length" and len(short) >= 80
+    long = [json.loads(line.removeprefix("data: ")) for line in streams[400][:-1]]
+    assert streams[400][-1] == "data: [DONE]" and long[-1]["error"]["code"] == 503
+    text = log_path.read_text()
+    assert "engine-0 | stand-in engine: shutdown timeout 60" in text  # the engine's drain gets the same bound
+    assert "draining: 2 request(s) in flight" in text and "drain: stopped at once" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"--preferred-sampling-params '{constants.DEMO_MODEL_SAMPLING_DEFAULTS}' to its engines unless you give that "
         "flag, so a request that leaves temperature unset is decoded greedily; a request that sets it gets what it "
         "asks for. Each output line starts with the process that wrote it (router, engine-0, ...). Ctrl-C or "
-        "SIGTERM stops the stack with exit status 0; an engine that fails to start 3 times in a row stops it with 1.",
+        "SIGTERM drains the stack (--shutdown-timeout; a second Ctrl-C stops at once) and exits 0; an engine that "
+        "fails to start 3 times in a row stops it with 1.",
     )
     add_engine_args(p_up)
     p_up.add_argument(
@@ -120,6 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="routing policy of the router: prefix_hash routes by the prompt's prefix to the engine that holds it "
         "(cache-aware, bounded load); the others balance load only (default: %(default)s)",
     )
+    if not any(a.dest == "shutdown_timeout" for a in p_up._actions):  # not (yet) an engine flag as well
+        p_up.add_argument(
+            "--shutdown-timeout",
+            type=float,
+            default=os.environ.get(constants.SHUTDOWN_TIMEOUT_ENV) or constants.DEFAULT_SHUTDOWN_TIMEOUT_S,
+            help="graceful drain on Ctrl-C / SIGTERM: the router stops admitting requests at once (503) and lets "
+            "those in flight finish for up to this many seconds, then the engines stop (each gets it as "
+            f"${constants.SHUTDOWN_TIMEOUT_ENV}); a second Ctrl-C stops at once (default: %(default)s; "
+            f"${constants.SHUTDOWN_TIMEOUT_ENV} when set)",
+        )
     # At OpenAI's default temperature 1.0 the 4-bit 135M demo model rambles (see DEMO_MODEL_SAMPLING_DEFAULTS);
     # requests that set temperature still get what they ask for.
     p_up.set_defaults(
@@ -215,7 +226,9 @@ def run_up(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
         engine_api_key=engine_args.api_key,
         log_level=engine_args.log_level,
         max_request_body_bytes=engine_args.max_request_body_bytes,
+        shutdown_timeout=ns.shutdown_timeout,
     )
+    router_args.validate()  # a bad --shutdown-timeout is a one-line error before any engine starts
     resolve_model_paths(engine_args)
     return run_local_stack(engine_args, router_args, ns.engines, ns.engine_base_port)
 

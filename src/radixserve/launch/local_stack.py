@@ -9,9 +9,12 @@ nor in a log line. A supervisor thread restarts an engine that exits on its own 
 30 s, back to 1 s once an engine had stayed up 60 s), so killing one is a fault the router rides out (ejection, then
 re-admission), not the end of the stack. An engine that never came up (it exited ``max_failed_starts`` = 3 times in a
 row within its first 60 s: a model it cannot load, a port it cannot bind) ends the stack with exit status 1 instead
-of being restarted forever behind a router answering 503. Ctrl-C / SIGTERM stops the router, then the engines
-(SIGTERM, then SIGKILL after a grace period; a second Ctrl-C kills them at once); a stop asked for that way, once
-everything stopped, is exit status 0 (regression: 130, which ``make run`` reported as "Error 130").
+of being restarted forever behind a router answering 503. Ctrl-C / SIGTERM drains the stack (docs/contracts.md,
+"Graceful drain"): the router stops admitting at once (503s), its requests in flight finish for up to
+``--shutdown-timeout`` seconds (the rest then end with an error), then the engines stop (SIGTERM, then SIGKILL after
+a grace period). A second Ctrl-C ends the router's requests at once and the engines get the short grace of an
+immediate stop; Ctrl-C once more while they stop kills them. A stop asked for that way, once everything stopped, is
+exit status 0 (regression: 130, which ``make run`` reported as "Error 130").
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from radixserve.contracts import constants
 from radixserve.engine.config import API_KEY_ENV
 from radixserve.launch.tagged_output import ROUTER_TAG, TaggedOutput, engine_tag
 
@@ -50,16 +54,24 @@ _ALWAYS_FIELDS = frozenset({"model_path"})
 # PYTHONUNBUFFERED: an engine's stdout is a pipe to the supervisor (tagged_output.py), which Python would otherwise
 # block-buffer, so its lines would come late and out of order with its stderr's.
 ENGINE_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONUNBUFFERED": "1"}
+# Seconds an engine may take to stop after SIGTERM beyond its own drain (--shutdown-timeout) before it is killed; and
+# all it gets after a second Ctrl-C (the stop asked for at once).
+ENGINE_STOP_GRACE_S = 15.0
 
 
-def engine_env(base: Mapping[str, str] | None = None, api_key: str | None = None) -> dict[str, str]:
+def engine_env(
+    base: Mapping[str, str] | None = None, api_key: str | None = None, shutdown_timeout: float | None = None
+) -> dict[str, str]:
     """The environment for an engine child: ``base`` (default: this process's) with ``ENGINE_ENV`` where unset, and
     ``RADIXSERVE_API_KEY`` set to ``api_key`` (removed when it is None or empty: the engines then require no key, as
-    the router in front of them)."""
+    the router in front of them). ``shutdown_timeout`` (seconds) is set as ``RADIXSERVE_SHUTDOWN_TIMEOUT``, the
+    default of the engine's ``--shutdown-timeout`` (docs/contracts.md, "Graceful drain"), when given."""
     env = {**ENGINE_ENV, **(os.environ if base is None else base)}
     env.pop(API_KEY_ENV, None)
     if api_key:
         env[API_KEY_ENV] = api_key
+    if shutdown_timeout is not None:
+        env[constants.SHUTDOWN_TIMEOUT_ENV] = f"{shutdown_timeout:g}"
     return env
 
 
@@ -382,9 +394,11 @@ class EngineSupervisor:
         if self.on_give_up is not None:
             self.on_give_up()
 
-    def stop(self) -> None:
-        """Stop the engines: SIGTERM, then SIGKILL after ``grace_s``. A KeyboardInterrupt meanwhile (Ctrl-C again)
-        kills the engines still running at once, waits for them, and propagates."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop the engines: SIGTERM, then SIGKILL after ``grace_s`` seconds (default: the supervisor's). A
+        KeyboardInterrupt meanwhile (Ctrl-C again) kills the engines still running at once, waits for them, and
+        propagates."""
+        grace_s = self.grace_s if grace_s is None else grace_s
         self._stopping.set()
         try:
             if self._thread.is_alive():
@@ -392,12 +406,12 @@ class EngineSupervisor:
             live = [p for p in self.procs if p is not None and p.poll() is None]
             for p in live:
                 p.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.grace_s
+            deadline = time.monotonic() + grace_s
             for p in live:
                 try:
                     p.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    logger.warning("engine pid %d did not stop in %.0f s; killing it", p.pid, self.grace_s)
+                    logger.warning("engine pid %d did not stop in %.0f s; killing it", p.pid, grace_s)
                     p.kill()
                     p.wait()
             for i in range(len(self.procs)):
@@ -423,10 +437,14 @@ class EngineSupervisor:
 def run_local_stack(engine_args: EngineArgs, router_args: RouterArgs, engines: int, engine_base_port: int) -> int:
     """Run ``engines`` engine children on ``engine_base_port``, ``+1``, ... and the router (``router_args``, whose
     worker URLs are set here) in this process until Ctrl-C/SIGTERM, every output line tagged with its process.
-    Returns the exit status: 0 after a stop by Ctrl-C/SIGTERM, 1 when an engine never came up (or the router could
-    not start). A second Ctrl-C while the engines stop kills them and raises KeyboardInterrupt. Call it from the
-    main thread (it sets the SIGTERM handler while it runs). Raises ValueError for a bad engine count, model path
-    or port."""
+
+    Ctrl-C/SIGTERM drains (module doc): the router admits nothing new and lets its requests in flight finish for up
+    to ``router_args.shutdown_timeout`` seconds (also each engine's, through ``RADIXSERVE_SHUTDOWN_TIMEOUT``), then
+    the engines get SIGTERM and that long plus ``ENGINE_STOP_GRACE_S`` before SIGKILL. A second Ctrl-C ends the
+    router's requests at once and gives the engines ``ENGINE_STOP_GRACE_S``; one more while the engines stop kills
+    them and raises KeyboardInterrupt. Returns the exit status: 0 after a stop by Ctrl-C/SIGTERM, 1 when an engine
+    never came up (or the router could not start). Call it from the main thread (it sets the SIGTERM handler while
+    it runs). Raises ValueError for a bad engine count, model path or port."""
     check_engine_ports(engines, engine_base_port)
     output = TaggedOutput(sys.stderr, tag_width=max(len(ROUTER_TAG), len(engine_tag(engines - 1))))
     with output.tag_this_process(ROUTER_TAG):
@@ -450,12 +468,14 @@ def _serve_stack(
     engine_args = size_engines(engine_args, engines)  # N engines must fit the memory together
     check_ports_free([(router_args.host, router_args.port)] + [("127.0.0.1", p) for p in ports])
     # An engine that cannot start ends the stack: SIGINT to this process stops the router as Ctrl-C does.
+    timeout = router_args.shutdown_timeout
     supervisor = EngineSupervisor(
         [
             engine_argv(engine_args, port, threads, cpus)
             for port, cpus in zip(ports, engine_cpu_sets(engine_args.cpu_omp_threads_bind, engines, threads))
         ],
-        env=engine_env(api_key=engine_args.api_key),
+        grace_s=timeout + ENGINE_STOP_GRACE_S,  # an engine drains its own clients' requests too
+        env=engine_env(api_key=engine_args.api_key, shutdown_timeout=timeout),
         on_give_up=lambda: os.kill(os.getpid(), signal.SIGINT),
         output=output,
     )
@@ -463,15 +483,18 @@ def _serve_stack(
     # SIGTERM stops the stack as Ctrl-C does. uvicorn hands the signal back once the router has stopped; with the
     # default action this process would die there, before stopping the engines, with status 143.
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signals: list[int] = []  # one entry per Ctrl-C / SIGTERM the router took (its drain, then "at once")
     try:
         logger.info("starting %d engine(s) with %d thread(s) each on ports %s", engines, threads, ports)
         supervisor.start()
-        status = run_router(router_args)
+        status = run_router(router_args, on_signal=lambda: signals.append(1))
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the supervisor giving up: a stop asked for
         status = 0
     finally:
         try:
-            supervisor.stop()  # a second Ctrl-C here kills the engines and propagates (status 130)
+            # The router has drained (or ended its requests at a second Ctrl-C): now the engines. Ctrl-C again here
+            # kills them and propagates (status 130).
+            supervisor.stop(grace_s=ENGINE_STOP_GRACE_S if len(signals) > 1 else None)
         finally:
             signal.signal(signal.SIGTERM, previous_sigterm or signal.SIG_DFL)
     return status, supervisor.failure

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -313,13 +313,14 @@ def _str_or_none(x: Any) -> str | None:
     return None if x is None else str(x)
 
 
-def run_router(args: RouterArgs) -> int:
+def run_router(args: RouterArgs, on_signal: Callable[[], None] | None = None) -> int:
     """Serve the router with uvicorn on ``args.host:args.port`` until Ctrl-C/SIGTERM; returns the exit status.
     No concurrency limit; a large listen backlog; no per-request access log (it sits in every request's path).
 
     The first Ctrl-C/SIGTERM drains (``Proxy.drain``: readiness fails and new requests get 503 at once, requests in
     flight finish for up to ``args.shutdown_timeout`` seconds, the rest then end with a 503 or an SSE error event);
-    a second one ends them at once. Then uvicorn shuts down."""
+    a second one ends them at once. Then uvicorn shuts down. ``on_signal`` is called in the signal handler at each
+    of those signals (must not block; ``radixserve up`` counts them)."""
     raise_open_files_limit()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health probe otherwise
     app = create_app(args)
@@ -334,6 +335,7 @@ def run_router(args: RouterArgs) -> int:
         args.port,
         args.log_level,
         on_listening=lambda url: logger.info("router serving on %s", url),
+        on_exit=on_signal,
         drain=drain,
         access_log=False,
         probe_paths=_OPEN_PATHS,
