@@ -241,9 +241,11 @@ def test_forks_run_concurrently_and_join_both_ways() -> None:
 
     backend = FakeBackend(reply=reply)
 
+    intro = "Here are tips for a healthy life, each expanded by a fork of its own, in parallel. "
+
     @sgl.function
     def tips(s: Any, mode: str) -> None:
-        s += "Here are tips. "
+        s += intro
         forks = s.fork(3)
         forks += lambda i: "#" * (i + 1) + " Tip:"
         forks += sgl.gen("tip", max_tokens=4)
@@ -253,13 +255,27 @@ def test_forks_run_concurrently_and_join_both_ways() -> None:
     gathered = tips.run(mode="gather_variable", backend=backend)
     assert gathered.error() is None
     assert gathered["tip"] == [" tip1", " tip2", " tip3"]
-    assert gathered.text() == "Here are tips. "
+    assert gathered.text() == intro
     assert backend.kinds().count("cache_prefix") == 1  # the shared prefix is prefilled once, before the forks
-    assert backend.calls[0] == ("cache_prefix", "Here are tips. ", None)
+    assert backend.calls[0] == ("cache_prefix", intro, None)
 
     appended = tips.run(mode="concate_and_append", backend=backend)
-    assert appended.text() == "Here are tips. # Tip: tip1## Tip: tip2### Tip: tip3"
+    assert appended.text() == intro + "# Tip: tip1## Tip: tip2### Tip: tip3"
     assert "tip" not in appended
+
+
+def test_no_prefill_before_a_fork_when_the_server_has_the_text_already(backend: FakeBackend) -> None:
+    @sgl.function
+    def prog(s: Any) -> None:
+        s += "A long enough introduction that it would be worth prefilling before forking. "
+        s += sgl.gen("first", stop="\n")
+        s += " and then"  # a short tail the forks prefill themselves
+        forks = s.fork(2)
+        forks += sgl.gen("x", stop=" ")
+        forks.join()
+
+    state = prog.run(backend=backend)
+    assert state["x"] == ["alpha", "alpha"] and "cache_prefix" not in backend.kinds()
 
 
 def test_fork_items_from_a_list_and_copy(backend: FakeBackend) -> None:

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("radixserve.lang")
 
-# A traced constant prefix shorter than this (characters) is not worth a request of its own (SGLang's threshold).
+# Uncached text shorter than this (characters) is not worth a request of its own before a batch or a fork: each
+# program or fork prefilling it costs less than the round trip (SGLang's threshold for a traced prefix).
 PRECACHE_MIN_CHARS = 64
 
 
@@ -91,6 +92,8 @@ class StreamExecutor:
         self.fork_start_text_pos: int | None = None
         # The longest prefix of text_ whose token count a response told us (for select's logprob_start_len).
         self.known_prefix: PrefixTokens | None = None
+        # How much of text_ the server has processed (a request's prompt and completion): in its radix cache.
+        self.cached_chars = 0
         self.stream_text_event = threading.Event() if stream else None
         self.stream_var_event: dict[str | None, threading.Event] = {}
         self.use_thread = use_thread
@@ -199,12 +202,14 @@ class StreamExecutor:
     # -- forks ---------------------------------------------------------------------------------------------------
 
     def fork(self, size: int = 1) -> list[StreamExecutor]:
-        """``size`` executors that continue from this one's text, messages and variables. With more than one and
-        a non-empty text, the text is prefilled into the server's cache first, so the forks share it."""
+        """``size`` executors that continue from this one's text, messages and variables. With more than one, and
+        more than ``PRECACHE_MIN_CHARS`` of the text not sent to the server yet, the text is prefilled into its
+        cache first (SGLang's commit before a fork), so the forks share it."""
         self.sync()
         size = int(size)
-        if size > 1 and self.text_ and self.error_ is None:
+        if size > 1 and len(self.text_) - self.cached_chars > PRECACHE_MIN_CHARS and self.error_ is None:
             self.known_prefix = (len(self.text_), self.backend.cache_prefix(self.text_))
+            self.cached_chars = len(self.text_)
         children = []
         for _ in range(size):
             child = StreamExecutor(
@@ -217,6 +222,7 @@ class StreamExecutor:
             child.cur_role_begin_pos = self.cur_role_begin_pos
             child.fork_start_text_pos = len(self.text_)
             child.known_prefix = self.known_prefix
+            child.cached_chars = self.cached_chars
             children.append(child)
         return children
 
@@ -263,6 +269,7 @@ class StreamExecutor:
             completion, meta_info = self.backend.generate(self.text_, params)
             self._remember_prefix(prompt_chars, meta_info)
             self.text_ += completion
+            self.cached_chars = len(self.text_)
             self.variables[name] = completion
             self.meta_info[name] = meta_info
             self.variable_event[name].set()
@@ -278,6 +285,7 @@ class StreamExecutor:
             self.stream_var_event[name].set()
             self.stream_text_event.set()
         self._remember_prefix(prompt_chars, meta)
+        self.cached_chars = len(self.text_)
         self.variable_event[name].set()
         self.stream_var_event[name].set()
 
@@ -291,6 +299,7 @@ class StreamExecutor:
             if isinstance(tokens, int):
                 self.known_prefix = (len(self.text_) + len(decision.decision), tokens)
         self.text_ += decision.decision
+        self.cached_chars = len(self.text_)
         if expr.name is not None:
             self.variables[expr.name] = decision.decision
             self.meta_info[expr.name] = decision.meta_info
