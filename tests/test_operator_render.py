@@ -54,6 +54,7 @@ SPECS: dict[str, dict[str, Any]] = {
         }
     },
     "pvc-root": {"model": {"storageUri": "pvc://weights"}},
+    "long-drain": {"model": {"storageUri": "pvc://weights"}, "shutdownTimeoutSeconds": 900},
     "file": {"model": {"storageUri": "file:///opt/models/qwen"}, "engine": {"imagePullPolicy": "Always"}},
     "gpu-placement": {
         "model": {"storageUri": "pvc://models/qwen-7b"},
@@ -714,6 +715,51 @@ def test_engine_image_change_rolls_only_the_engines() -> None:
     assert hash_of(before) != hash_of(after)
     cm = get(after, "ConfigMap", config_map_name("llm"))
     assert json.loads(cm["data"]["engine.json"])["image"] == "radixserve:new"
+
+
+def test_graceful_drain_bounds_follow_the_spec() -> None:
+    # Issue 16: preStop sleep, then SIGTERM drains for spec.shutdownTimeoutSeconds; the grace period covers both.
+    from radixserve.operator.render import PRESTOP_SLEEP_S, termination_grace_seconds
+
+    for spec, timeout in ((SPECS["demo"], 30), (SPECS["long-drain"], 900)):
+        isvc = make_isvc(spec)
+        children = render_children(isvc, OPTIONS)
+        for component, name, cname in (
+            (constants.COMPONENT_ENGINE, constants.engine_deployment_name("llm"), ENGINE_CONTAINER),
+            (constants.COMPONENT_ROUTER, constants.router_deployment_name("llm"), ROUTER_CONTAINER),
+        ):
+            dep = get(children, "Deployment", name)
+            pod, c = dep["spec"]["template"]["spec"], container(dep, cname)
+            assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}}
+            assert {"name": constants.SHUTDOWN_TIMEOUT_ENV, "value": str(timeout)} in c["env"]
+            grace = pod["terminationGracePeriodSeconds"]
+            assert grace == termination_grace_seconds(isvc, component)
+            assert grace >= PRESTOP_SLEEP_S + timeout + 10  # the sleep, the drain, and the process's own stop
+    # A new bound rolls both (their grace periods change) and is in the configuration.
+    before, after = (
+        render_children(make_isvc(SPECS["demo"]), OPTIONS),
+        render_children(make_isvc({**SPECS["demo"], "shutdownTimeoutSeconds": 120}), OPTIONS),
+    )
+    assert diff(before, after) == {
+        ("Deployment", constants.engine_deployment_name("llm")),
+        ("Deployment", constants.router_deployment_name("llm")),
+        ("ConfigMap", config_map_name("llm")),
+    }
+    cm = get(after, "ConfigMap", config_map_name("llm"))["data"]
+    assert json.loads(cm["engine.json"])["shutdownTimeoutSeconds"] == 120
+    assert json.loads(cm["router.json"])["shutdownTimeoutSeconds"] == 120
+
+
+def test_the_router_in_its_pod_drains_for_the_spec_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.router.config import router_args_from_namespace
+
+    dep = get(
+        render_children(make_isvc(SPECS["long-drain"]), OPTIONS), "Deployment", constants.router_deployment_name("llm")
+    )
+    c = container(dep, ROUTER_CONTAINER)
+    for var in c["env"]:  # as the kubelet sets them
+        monkeypatch.setenv(var["name"], var["value"])
+    assert router_args_from_namespace(parse_cli(c["args"])).shutdown_timeout == 900.0
 
 
 # --- determinism ----------------------------------------------------------------------------------------------------

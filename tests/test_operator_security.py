@@ -84,7 +84,7 @@ def parse_in_pod(container: dict[str, Any], env: dict[str, str], monkeypatch: py
     """The container's command line parsed by `radixserve` with exactly ``env`` for the key variables."""
     from radixserve.launch.cli import build_parser
 
-    for var in (API_KEY_ENV, ENGINE_API_KEY_ENV):
+    for var in (API_KEY_ENV, ENGINE_API_KEY_ENV, constants.SHUTDOWN_TIMEOUT_ENV):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
@@ -105,11 +105,13 @@ def test_the_keys_reach_engine_and_router_from_the_secrets(monkeypatch):
     children = render(SECURED)
     engine = pod_container(children, constants.engine_deployment_name(NAME), ENGINE_CONTAINER)
     router = pod_container(children, constants.router_deployment_name(NAME), ROUTER_CONTAINER)
+    drain = {"name": constants.SHUTDOWN_TIMEOUT_ENV, "value": "30"}  # not a secret: the graceful drain's bound
     assert engine["env"] == [
         {
             "name": API_KEY_ENV,
             "valueFrom": {"secretKeyRef": {"name": "chat-engine-key", "key": "token", "optional": False}},
-        }
+        },
+        drain,
     ]
     assert router["env"] == [
         {
@@ -120,24 +122,26 @@ def test_the_keys_reach_engine_and_router_from_the_secrets(monkeypatch):
             "name": ENGINE_API_KEY_ENV,
             "valueFrom": {"secretKeyRef": {"name": "chat-engine-key", "key": "token", "optional": False}},
         },
+        drain,
     ]
     e = engine_args_from_namespace(parse_in_pod(engine, kubelet_env(engine, SECRETS), monkeypatch))
     assert e.api_key == "sk-engine-91c2"
     r = router_args_from_namespace(parse_in_pod(router, kubelet_env(router, SECRETS), monkeypatch))
     assert (r.api_key, r.engine_api_key) == ("sk-client-7f3a", "sk-engine-91c2")
+    assert r.shutdown_timeout == 30.0
 
 
 def test_an_engine_key_alone_is_only_the_routers_engine_key():
     """Engines behind a key, router open to clients (ClusterIP): the router must still call the engines with it."""
     children = render({**SECURED, "router": {}})
     router = pod_container(children, constants.router_deployment_name(NAME), ROUTER_CONTAINER)
-    assert [v["name"] for v in router["env"]] == [ENGINE_API_KEY_ENV]
+    assert [v["name"] for v in router["env"]] == [ENGINE_API_KEY_ENV, constants.SHUTDOWN_TIMEOUT_ENV]
     plain = render({"model": SECURED["model"]})
     for dep, c in (
         (constants.engine_deployment_name(NAME), ENGINE_CONTAINER),
         (constants.router_deployment_name(NAME), ROUTER_CONTAINER),
     ):
-        assert "env" not in pod_container(plain, dep, c)
+        assert [v["name"] for v in pod_container(plain, dep, c)["env"]] == [constants.SHUTDOWN_TIMEOUT_ENV]
 
 
 def _paths_of(value: Any, needle: str, path: str = "") -> list[str]:

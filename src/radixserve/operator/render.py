@@ -13,6 +13,9 @@ follows docs/architecture.md (and kopf's examples: render plain data, apply it i
 - ServiceAccount / Role / RoleBinding ``NAME-router``: get/list/watch EndpointSlices in the namespace, nothing else.
 - Deployment ``NAME-router`` and Service ``NAME`` (port ROUTER_SERVICE_PORT -> ``http``): the public endpoint; probes
   on ``/live`` (the process serves), since ``/health`` is 503 while no engine is routable.
+- Graceful drain, engine and router pods alike: a preStop sleep of ``PRESTOP_SLEEP_S``, then SIGTERM drains for up to
+  ``spec.shutdownTimeoutSeconds`` (env ``RADIXSERVE_SHUTDOWN_TIMEOUT``); ``terminationGracePeriodSeconds`` covers
+  both plus the process's own stop (``termination_grace_seconds``).
 - API keys (``apiKeySecretRef``) only as env vars read from the Secret (``secretKeyRef``): engines
   ``RADIXSERVE_API_KEY``; the router ``RADIXSERVE_API_KEY`` (its clients' key) and ``RADIXSERVE_ENGINE_API_KEY`` (the
   engines'). Never in args, the ConfigMap or status: no key value is ever rendered.
@@ -61,6 +64,7 @@ __all__ = [
     "engine_args",
     "router_args",
     "cpu_threads",
+    "termination_grace_seconds",
     "render_children",
     "API_KEY_ENV",
     "ENGINE_API_KEY_ENV",
@@ -81,13 +85,15 @@ API_KEY_ENV = "RADIXSERVE_API_KEY"
 ENGINE_API_KEY_ENV = "RADIXSERVE_ENGINE_API_KEY"
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server (1.21+)
 
-# Shutdown: the pod leaves the EndpointSlices when it starts terminating, but routers and kube-proxy learn it a moment
-# later; the preStop sleep keeps the engine serving (its in-flight requests too) until they have, then SIGTERM makes
-# the engine abort what is left with OpenAI-format errors. The grace period covers the sleep plus that shutdown.
-ENGINE_PRESTOP_SLEEP_S = 20
-ENGINE_TERMINATION_GRACE_S = 60
-ROUTER_PRESTOP_SLEEP_S = 5
-ROUTER_TERMINATION_GRACE_S = 30
+# Graceful drain (docs/contracts.md, "Graceful drain"; docs/kubernetes.md): a pod leaves the EndpointSlices (its
+# endpoint turns terminating) as soon as it is deleted, but routers and kube-proxy learn it a moment later; the preStop
+# sleep keeps the container serving as before until they have. Then SIGTERM starts its drain: readiness fails, no new
+# request is admitted, those in flight finish for up to spec.shutdownTimeoutSeconds (RADIXSERVE_SHUTDOWN_TIMEOUT, the
+# containers' --shutdown-timeout), the rest end with OpenAI-format errors. terminationGracePeriodSeconds = the sleep +
+# that timeout + the margin for the process's own shutdown (the engine stops its scheduler; uvicorn closes).
+PRESTOP_SLEEP_S = 5
+ENGINE_STOP_MARGIN_S = 15
+ROUTER_STOP_MARGIN_S = 10
 # A Deployment rollout is "stuck" (ProgressDeadlineExceeded) only after the engine's whole startup budget plus this.
 PROGRESS_DEADLINE_MARGIN_S = 300
 STARTUP_PROBE_PERIOD_S = 10
@@ -246,6 +252,30 @@ def _key_env(isvc: InferenceService, component: str) -> dict[str, Any]:
         if engine_ref:
             env.append(_secret_env(ENGINE_API_KEY_ENV, engine_ref))
     return {"env": env} if env else {}
+
+
+def _drain_env(isvc: InferenceService) -> dict[str, Any]:
+    """The env var that bounds a container's graceful drain: ``RADIXSERVE_SHUTDOWN_TIMEOUT`` (seconds), the default
+    of the engine's and the router's ``--shutdown-timeout`` (a flag in ``args`` still wins)."""
+    return {"name": constants.SHUTDOWN_TIMEOUT_ENV, "value": str(isvc.spec.shutdown_timeout_seconds)}
+
+
+def _env(isvc: InferenceService, component: str) -> dict[str, Any]:
+    """``{"env": [...]}`` of ``component``'s container: its API keys from their Secrets, and the drain bound."""
+    return {"env": [*_key_env(isvc, component).get("env", []), _drain_env(isvc)]}
+
+
+def _pre_stop() -> dict[str, Any]:
+    """The preStop hook: a sleep while the pod's terminating endpoint reaches routers and kube-proxy (the container
+    serves as before meanwhile), then the kubelet sends SIGTERM."""
+    return {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}}
+
+
+def termination_grace_seconds(isvc: InferenceService, component: str) -> int:
+    """``terminationGracePeriodSeconds`` of ``component``'s pods (COMPONENT_ENGINE / _ROUTER): the preStop sleep, the
+    drain (``spec.shutdownTimeoutSeconds``) and the process's own shutdown after it, in seconds."""
+    margin = ENGINE_STOP_MARGIN_S if component == constants.COMPONENT_ENGINE else ROUTER_STOP_MARGIN_S
+    return PRESTOP_SLEEP_S + isvc.spec.shutdown_timeout_seconds + margin
 
 
 def _image_pull_policy(explicit: str | None, options: RenderOptions) -> dict[str, Any]:
@@ -420,6 +450,7 @@ def _engine_config(isvc: InferenceService, options: RenderOptions) -> dict[str, 
         "command": ["radixserve", "engine", *engine_args(isvc, source.model_path)],
         "resources": _resources(spec.engine.resources),
         "startupTimeoutSeconds": spec.engine.startup_timeout_seconds,
+        "shutdownTimeoutSeconds": spec.shutdown_timeout_seconds,
     }
 
 
@@ -429,6 +460,7 @@ def _router_config(isvc: InferenceService, options: RenderOptions) -> dict[str, 
         "image": router.image or options.image,
         "command": ["radixserve", "router", *router_args(isvc)],
         "resources": _resources(router.resources),
+        "shutdownTimeoutSeconds": isvc.spec.shutdown_timeout_seconds,
     }
 
 
@@ -457,7 +489,7 @@ def _engine_deployment(isvc: InferenceService, options: RenderOptions, engine_cf
         **_image_pull_policy(spec.engine.image_pull_policy, options),
         "command": ["radixserve"],
         "args": ["engine", *engine_args(isvc, source.model_path)],
-        **_key_env(isvc, constants.COMPONENT_ENGINE),
+        **_env(isvc, constants.COMPONENT_ENGINE),
         "ports": [{"name": constants.HTTP_PORT_NAME, "containerPort": constants.ENGINE_PORT, "protocol": "TCP"}],
         "resources": _resources(spec.engine.resources),
         "startupProbe": _http_probe(
@@ -468,7 +500,7 @@ def _engine_deployment(isvc: InferenceService, options: RenderOptions, engine_cf
         ),
         "readinessProbe": _http_probe(constants.ENGINE_HEALTH_PATH, period=5, timeout=5, failures=3),
         "livenessProbe": _http_probe(constants.ENGINE_HEALTH_PATH, period=15, timeout=10, failures=4),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ENGINE_PRESTOP_SLEEP_S)]}}},
+        "lifecycle": _pre_stop(),
         "securityContext": _container_security_context(),
     }
     if source.mounts:
@@ -477,7 +509,7 @@ def _engine_deployment(isvc: InferenceService, options: RenderOptions, engine_cf
         "automountServiceAccountToken": False,  # the engine never calls the Kubernetes API
         "enableServiceLinks": False,
         "securityContext": _pod_security_context(),
-        "terminationGracePeriodSeconds": ENGINE_TERMINATION_GRACE_S,
+        "terminationGracePeriodSeconds": termination_grace_seconds(isvc, constants.COMPONENT_ENGINE),
         "containers": [container],
     }
     if source.init_containers:
@@ -577,14 +609,14 @@ def _router_deployment(isvc: InferenceService, options: RenderOptions, router_cf
         **_image_pull_policy(None, options),
         "command": ["radixserve"],
         "args": ["router", *router_args(isvc)],
-        **_key_env(isvc, constants.COMPONENT_ROUTER),
+        **_env(isvc, constants.COMPONENT_ROUTER),
         "ports": [{"name": constants.HTTP_PORT_NAME, "containerPort": constants.ROUTER_PORT, "protocol": "TCP"}],
         "resources": _resources(router.resources),
         # /live, not /health or /ready (both 503 while no engine is routable): clients always reach a router and get
         # OpenAI-format 503s rather than refused connections, and a router is restarted only when it stops serving.
         "readinessProbe": _http_probe(constants.ROUTER_LIVE_PATH, period=5, timeout=5, failures=3),
         "livenessProbe": _http_probe(constants.ROUTER_LIVE_PATH, period=15, timeout=10, failures=4),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ROUTER_PRESTOP_SLEEP_S)]}}},
+        "lifecycle": _pre_stop(),
         "securityContext": _container_security_context(),
     }
     return {
@@ -606,7 +638,7 @@ def _router_deployment(isvc: InferenceService, options: RenderOptions, router_cf
                     **_image_pull_secrets(isvc),
                     "enableServiceLinks": False,
                     "securityContext": _pod_security_context(),
-                    "terminationGracePeriodSeconds": ROUTER_TERMINATION_GRACE_S,
+                    "terminationGracePeriodSeconds": termination_grace_seconds(isvc, constants.COMPONENT_ROUTER),
                     "containers": [container],
                 },
             },

@@ -397,6 +397,17 @@ class InferenceServiceSpec(_Model):
     image_pull_secrets: list[Dns1123Name] | None = Field(
         default=None, description="Secrets (names, in this namespace) for pulling the engine and router images."
     )
+    shutdown_timeout_seconds: int = Field(
+        default=int(constants.DEFAULT_SHUTDOWN_TIMEOUT_S),
+        ge=0,
+        le=86400,
+        description=(
+            "Graceful drain: how long requests in flight may still run when an engine or router pod stops (rolling "
+            "update, scale-in, node drain). Both get it as RADIXSERVE_SHUTDOWN_TIMEOUT (their --shutdown-timeout); "
+            "their terminationGracePeriodSeconds is the preStop sleep + this + a margin. Set it to your longest "
+            "request (seconds)."
+        ),
+    )
 
     def desired_replicas(self) -> int:
         """Engine replicas to run: ``replicas`` if set, else ``autoscaling.minReplicas``, else 1."""
