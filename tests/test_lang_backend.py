@@ -259,6 +259,16 @@ def test_select_without_a_known_prefix_caches_and_measures_it_first() -> None:
     assert seen[1][1]["logprob_start_len"] == 1
 
 
+def test_select_on_an_empty_text_sends_one_request() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        return httpx.Response(200, json=scored(body["text"], body["logprob_start_len"], 0))
+
+    ep, seen = endpoint(handler)
+    assert ep.select("", ["yes", "no"], sgl.token_length_normalized, None).decision == "yes"
+    assert len(seen) == 1 and seen[0][1]["logprob_start_len"] == 0
+
+
 def test_select_scores_again_from_the_start_when_the_prefix_guess_was_too_long() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)

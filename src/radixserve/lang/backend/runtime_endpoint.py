@@ -232,7 +232,10 @@ class RuntimeEndpoint:
     ) -> ChoicesDecision:
         """Score every choice after ``text`` in one request (see the module docstring) and let ``method`` pick.
         Raises ``RuntimeEndpointError`` when the server gives no prompt logprobs."""
-        known = prefix[1] if prefix is not None else self.cache_prefix(text)
+        if prefix is not None:
+            known = prefix[1]
+        else:
+            known = self.cache_prefix(text) if text else 0
         start = max(known - self.HEALING_TOKENS, 0)
         results = self._score([text + c for c in choices], start)
         picked = [choice_tokens(r["meta_info"]["input_token_logprobs"], c) for r, c in zip(results, choices)]
