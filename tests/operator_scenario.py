@@ -234,6 +234,13 @@ async def representative_api_calls(emulator: Any, api: Any) -> set[tuple[str, st
         await h.create(isvc_path(), isvc_body("demo"))
         engine = child_path("apps/v1", "deployments", constants.engine_deployment_name("demo"))
         await until(lambda: h.get(engine), what="engine Deployment")
+        # Cache-aware scale-in: an engine pod (its metrics unreachable: cold) is annotated before 2 -> 1.
+        await h.create(child_path("v1", "pods"), engine_pod_body("demo", "demo-engine-1", closed_port()))
+        await h.patch(isvc_path("demo"), {"spec": {"replicas": 2}})
+        await until(lambda: _replicas(h, engine, 2), what="engine Deployment scaled to 2")
+        await h.patch(isvc_path("demo"), {"spec": {"replicas": 1}})
+        pod = child_path("v1", "pods", "demo-engine-1")
+        await until(lambda: _annotated(h, pod), what="engine pod's deletion cost")
         await h.delete(child_path("v1", "services", constants.router_service_name("demo")))
         await until(
             lambda: h.get(child_path("v1", "services", constants.router_service_name("demo"))),
@@ -263,6 +270,45 @@ async def representative_api_calls(emulator: Any, api: Any) -> set[tuple[str, st
     finally:
         await h.stop()
     return api_calls(emulator)
+
+
+def engine_pod_body(isvc: str, name: str, port: int, namespace: str = NS, ready: bool = True) -> dict[str, Any]:
+    """An engine pod of InferenceService ``isvc`` as the ReplicaSet controller and the kubelet would leave it (the
+    emulator has neither): the engine pod labels, container port ``http`` = ``port`` on 127.0.0.1, Ready."""
+    labels = {
+        constants.LABEL_NAME: constants.LABEL_NAME_VALUE,
+        constants.LABEL_COMPONENT: constants.COMPONENT_ENGINE,
+        constants.LABEL_INFERENCE_SERVICE: isvc,
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "containers": [
+                {"name": "engine", "image": "radixserve:test", "ports": [{"name": "http", "containerPort": port}]}
+            ]
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def closed_port() -> int:
+    """A port nothing listens on (connections are refused)."""
+    return free_port()
+
+
+async def _replicas(h: OperatorHarness, path: str, n: int) -> bool:
+    return ((await h.get(path)) or {}).get("spec", {}).get("replicas") == n
+
+
+async def _annotated(h: OperatorHarness, path: str) -> bool:
+    annotations = (((await h.get(path)) or {}).get("metadata") or {}).get("annotations") or {}
+    return "controller.kubernetes.io/pod-deletion-cost" in annotations
 
 
 async def _absent(h: OperatorHarness, path: str) -> bool:

@@ -351,8 +351,10 @@ def test_rbac_covers_the_operator_design(default_objs):
     needed |= {("", "events", "create")}  # kopf posts core/v1 Events (tests/test_operator_rbac.py saw only that)
     needed |= {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
     needed |= {("", "namespaces", v) for v in ("list", "watch")}
+    # Cache-aware scale-in: engine pods listed (their /metrics read) and annotated with their pod-deletion-cost.
+    needed |= {("", "pods", v) for v in ("list", "patch")}
     assert needed <= g, sorted(needed - g)
-    # Least privilege: nothing beyond the design (pods, secrets, nodes, ... are never touched).
+    # Least privilege: nothing beyond the design (secrets, nodes, pod get/create/delete, ... are never touched).
     assert g <= needed, sorted(g - needed)
 
 

@@ -64,10 +64,13 @@ def _as_local_process(container: dict[str, Any], port: int) -> list[str]:
 
 
 async def _kubelet_env(h: OperatorHarness, container: dict[str, Any]) -> dict[str, str]:
-    """The environment the kubelet gives ``container``: this process's, minus any key variables, plus the
-    container's ``env`` with secretKeyRefs read from the Secrets in the emulated API server."""
+    """The environment the kubelet gives ``container``: this process's, minus any RADIXSERVE_ variables, plus the
+    container's ``env``: values as given, secretKeyRefs read from the Secrets in the emulated API server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RADIXSERVE_")}
     for var in container.get("env", []):
+        if "value" in var:  # a plain value (RADIXSERVE_SHUTDOWN_TIMEOUT, the graceful drain's bound)
+            env[var["name"]] = var["value"]
+            continue
         ref = var["valueFrom"]["secretKeyRef"]
         secret = await h.get(child_path("v1", "secrets", ref["name"]))
         assert secret is not None, f"Secret {ref['name']} missing: the pod would be CreateContainerConfigError"

@@ -220,7 +220,7 @@ def test_network_policy_admits_only_the_router_pods_and_the_metrics_namespaces(v
     assert _selects(selector, engine_pod["metadata"]["labels"])
     assert not _selects(selector, router_pod["metadata"]["labels"])
     assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress stays open: hf:// downloads
-    from_router, from_metrics = policy["spec"]["ingress"]
+    from_router, from_operator, from_metrics = policy["spec"]["ingress"]
     (peer,) = from_router["from"]
     assert set(peer) == {"podSelector"}  # same namespace only: no namespaceSelector
     assert _selects(peer["podSelector"]["matchLabels"], router_pod["metadata"]["labels"])
@@ -231,8 +231,16 @@ def test_network_policy_admits_only_the_router_pods_and_the_metrics_namespaces(v
             "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring"]}]
         }
     }
+    # The operator's pods (any namespace: the chart's release namespace) read the engines' /metrics (cache heat).
+    (operator_peer,) = from_operator["from"]
+    assert operator_peer["namespaceSelector"] == {}
+    assert operator_peer["podSelector"]["matchLabels"] == {
+        constants.LABEL_NAME: constants.LABEL_NAME_VALUE,
+        constants.LABEL_COMPONENT: constants.COMPONENT_OPERATOR,
+    }
+    assert not _selects(operator_peer["podSelector"]["matchLabels"], router_pod["metadata"]["labels"])
     (engine_c,) = engine_pod["spec"]["containers"]
-    for rule in (from_router, from_metrics):
+    for rule in (from_router, from_operator, from_metrics):
         assert rule["ports"] == [{"protocol": "TCP", "port": engine_c["ports"][0]["containerPort"]}]
     # Another InferenceService's router in the namespace does not match the label selector.
     other = render_children(
@@ -247,10 +255,19 @@ def test_network_policy_admits_only_the_router_pods_and_the_metrics_namespaces(v
     assert not _selects(peer["podSelector"]["matchLabels"], other_router["spec"]["template"]["metadata"]["labels"])
 
 
-def test_network_policy_without_metrics_namespaces_admits_the_router_only():
+def test_network_policy_without_metrics_namespaces_admits_the_router_and_the_operator_only():
     spec = {**SECURED, "networkPolicy": {"enabled": True}}
-    (only,) = render(spec)[("NetworkPolicy", constants.engine_deployment_name(NAME))]["spec"]["ingress"]
-    assert set(only["from"][0]) == {"podSelector"}
+    router, operator = render(spec)[("NetworkPolicy", constants.engine_deployment_name(NAME))]["spec"]["ingress"]
+    assert set(router["from"][0]) == {"podSelector"}
+    assert operator["from"][0]["podSelector"]["matchLabels"][constants.LABEL_COMPONENT] == constants.COMPONENT_OPERATOR
+
+
+def test_the_chart_operator_pods_match_the_network_policy_operator_peer():
+    from helm import helm_template
+
+    (peer,) = render(SECURED)[("NetworkPolicy", constants.engine_deployment_name(NAME))]["spec"]["ingress"][1]["from"]
+    (operator,) = [o for o in helm_template() if o["kind"] == "Deployment"]
+    assert _selects(peer["podSelector"]["matchLabels"], operator["spec"]["template"]["metadata"]["labels"])
 
 
 # --- docs/kubernetes.md, section 6 ----------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_INFERENCE_SERVICE = "radixserve.io/inference-service"
 COMPONENT_ENGINE = "engine"
 COMPONENT_ROUTER = "router"
+COMPONENT_OPERATOR = "operator"  # the operator's own pods (the Helm chart's); it reads the engines' /metrics
 
 
 def engine_deployment_name(isvc: str) -> str:

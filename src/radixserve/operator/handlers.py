@@ -66,6 +66,7 @@ import pydantic
 from radixserve.contracts import constants
 from radixserve.operator import apply as applier
 from radixserve.operator.apply import KubeApi
+from radixserve.operator.cache_heat import DELETION_COST_ANNOTATION, CacheHeat, deletion_costs, engine_pods
 from radixserve.operator.metrics import OperatorMetrics
 from radixserve.operator.render import CHILD_TYPES, ChildType, RenderOptions, render_children
 from radixserve.operator.spec import InferenceService, check_name, format_validation_error
@@ -86,6 +87,7 @@ INFERENCE_SERVICES = ChildType(
     f"{constants.API_GROUP}/{constants.API_VERSION}", constants.CRD_KIND, constants.CRD_PLURAL
 )
 ENDPOINT_SLICES = ChildType("discovery.k8s.io/v1", "EndpointSlice", "endpointslices")
+PODS = ChildType("v1", "Pod", "pods")  # engine pods: read for cache heat, annotated before a scale-in
 FINALIZER = f"{constants.API_GROUP}/kopf-finalizer"
 _TYPES_BY_KIND = {(t.api_version, t.kind): t for t in CHILD_TYPES}
 
@@ -151,7 +153,8 @@ class Reconciler:
     InferenceService is reconciled by one thread at a time.
 
     ``api``: the REST client; ``options``: rendering defaults (image); ``metrics``: where reconciles are counted;
-    ``clock``: returns the current UTC time (condition timestamps).
+    ``clock``: returns the current UTC time (condition timestamps); ``heat``: the engines' cache heat (cache-aware
+    scale-in, ``cache_heat.py``; default: a ``CacheHeat`` reading the pods' ``/metrics``).
     """
 
     def __init__(
@@ -160,11 +163,13 @@ class Reconciler:
         options: RenderOptions,
         metrics: OperatorMetrics,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        heat: CacheHeat | None = None,
     ) -> None:
         self.api = api
         self.options = options
         self.metrics = metrics
         self.clock = clock
+        self.heat = heat if heat is not None else CacheHeat()
         self._guard = threading.Lock()
         self._owners: dict[tuple[str, str], _OwnerState] = {}
 
@@ -183,6 +188,7 @@ class Reconciler:
         with self._guard:
             self._owners.pop((namespace, name), None)
             self.metrics.managed.set(len(self._owners))
+        self.heat.forget(f"{namespace}/{name}")
 
     def managed(self) -> set[tuple[str, str]]:
         """(namespace, name) of every InferenceService the operator holds state for."""
@@ -394,6 +400,8 @@ class Reconciler:
                 phase = "dry-run"
                 applier.execute(self.api, writes, dry_run=True)
                 phase = "write"
+            engine = current.get(("Deployment", constants.engine_deployment_name(name)))
+            self._cache_heat(body, isvc, engine, logger)  # before the Deployment's replicas drop: the coldest goes
             applier.execute(self.api, ordered, dry_run=False, on_result=record)
         except applier.ApplyRejected as exc:
             self._warn_once(state, logger, "not applied (%s, HTTP %d): %s", exc.reason, exc.http_status, exc)
@@ -418,6 +426,51 @@ class Reconciler:
         state.warned = None
         self._observe_and_write(state, isvc, body, current, previous, logger, None)
         return "success", None
+
+    def _cache_heat(
+        self,
+        body: dict[str, Any],
+        isvc: InferenceService,
+        engine: dict[str, Any] | None,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> None:
+        """Cache-aware scale-in (``cache_heat.py``): read the engines' heat when it is due, and when this reconcile
+        lowers the engine Deployment's replicas (``engine``: the live one), read it again and write each engine pod's
+        ``controller.kubernetes.io/pod-deletion-cost`` from it first, so the ReplicaSet controller removes the coldest
+        pods. Never fails the reconcile: a pod list or annotation that fails is logged and the scale-in goes on."""
+        meta = body["metadata"]
+        name, namespace = meta["name"], meta.get("namespace", "")
+        owner = f"{namespace}/{name}"
+        live = ((engine or {}).get("spec") or {}).get("replicas")
+        wanted = isvc.spec.desired_replicas()
+        scale_in = isinstance(live, int) and wanted < live
+        if not scale_in and not self.heat.due(owner):
+            return
+        labels = {constants.LABEL_INFERENCE_SERVICE: name, constants.LABEL_COMPONENT: constants.COMPONENT_ENGINE}
+        try:
+            pods = engine_pods(self.api.list(PODS, namespace, labels))
+        except Exception as exc:  # noqa: BLE001 - the heat is an optimisation; the reconcile goes on
+            logger.warning("cache heat: cannot list the engine pods: %s", exc)
+            return
+        self.heat.sample(owner, pods)
+        if not scale_in or not pods:
+            return
+        costs = deletion_costs({p.name: self.heat.heat(owner, p) for p in pods})
+        for pod in pods:
+            if pod.cost == costs[pod.name]:
+                continue
+            patch = {"metadata": {"annotations": {DELETION_COST_ANNOTATION: str(costs[pod.name])}}}
+            try:
+                self.api.merge_patch(PODS, namespace, pod.name, patch)
+            except Exception as exc:  # noqa: BLE001 - a pod gone meanwhile, RBAC: the scale-in still happens
+                logger.warning("cache heat: pod %s not annotated: %s", pod.name, exc)
+        ranked = ", ".join(f"{n} {c}" for n, c in sorted(costs.items(), key=lambda kv: (kv[1], kv[0])))
+        message = (
+            f"engines {live} -> {wanted}: pod-deletion-cost from cache heat (cached tokens/min), coldest first: "
+            f"{ranked}"
+        )
+        logger.info("%s", message)
+        kopf.info(_event_target(body), reason="ScaleIn", message=message)
 
     def _warn_plain_text_keys(
         self,

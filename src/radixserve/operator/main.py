@@ -141,6 +141,7 @@ async def run_operator(
     import kopf
 
     from radixserve.operator.apply import KubeApi
+    from radixserve.operator.cache_heat import MIN_SAMPLE_INTERVAL_S, CacheHeat
     from radixserve.operator.handlers import QuietHandlerSuccess, Reconciler, build_registry, configure_settings
     from radixserve.operator.metrics import OperatorMetrics, serve
     from radixserve.operator.render import RenderOptions
@@ -152,7 +153,9 @@ async def run_operator(
     kopf_objects.addFilter(quiet)
     metrics = metrics or OperatorMetrics()
     ready = ready_flag if ready_flag is not None else asyncio.Event()
-    reconciler = Reconciler(KubeApi(client), RenderOptions(config.image, config.image_pull_policy), metrics)
+    # The engines' cache heat is read at most every resync (or 10 s, when resyncs come faster).
+    heat = CacheHeat(min_interval_s=min(MIN_SAMPLE_INTERVAL_S, config.resync_seconds))
+    reconciler = Reconciler(KubeApi(client), RenderOptions(config.image, config.image_pull_policy), metrics, heat=heat)
     registry = build_registry(reconciler, config.resync_seconds)
     settings = kopf.OperatorSettings()
     configure_settings(settings)

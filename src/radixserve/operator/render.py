@@ -668,14 +668,21 @@ def _router_service(isvc: InferenceService) -> dict[str, Any]:
 
 
 def _network_policy(isvc: InferenceService) -> dict[str, Any]:
-    """Ingress to the engine pods' one port (ENGINE_PORT, ``http``) only from this InferenceService's router pods,
-    plus from any pod in ``networkPolicy.metricsNamespaces`` (Prometheus); the policy's podSelector makes every other
-    ingress denied. Egress is left open (hf:// downloads). Kubelet probes come from the node, which NetworkPolicies
-    always allow."""
+    """Ingress to the engine pods' one port (ENGINE_PORT, ``http``) only from this InferenceService's router pods, from
+    the radixserve operator's pods in any namespace (labels ``app.kubernetes.io/name=radixserve``,
+    ``app.kubernetes.io/component=operator``: it reads the engines' ``/metrics`` for cache-aware scale-in), plus from
+    any pod in ``networkPolicy.metricsNamespaces`` (Prometheus); the policy's podSelector makes every other ingress
+    denied. Egress is left open (hf:// downloads). Kubelet probes come from the node, which NetworkPolicies always
+    allow."""
     name = isvc.metadata.name
     port = [{"protocol": "TCP", "port": constants.ENGINE_PORT}]
+    operator = {
+        constants.LABEL_NAME: constants.LABEL_NAME_VALUE,
+        constants.LABEL_COMPONENT: constants.COMPONENT_OPERATOR,
+    }
     ingress: list[dict[str, Any]] = [
-        {"from": [{"podSelector": {"matchLabels": child_labels(name, constants.COMPONENT_ROUTER)}}], "ports": port}
+        {"from": [{"podSelector": {"matchLabels": child_labels(name, constants.COMPONENT_ROUTER)}}], "ports": port},
+        {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": operator}}], "ports": port},
     ]
     namespaces = isvc.spec.network_policy.metrics_namespaces
     if namespaces:
