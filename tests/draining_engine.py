@@ -2,7 +2,8 @@
 tests while the engine's own drain is not built: ``DrainingEngineApp`` wraps the real engine HTTP app (over a
 ``FakeEngine``) and, after ``begin_drain()``, answers ``GET /health`` and every new ``POST`` with an OpenAI-format 503
 carrying ``Retry-After: 1`` and ``x-radixserve-draining: 1``, while the requests it had already admitted (streams
-included) run to their end. ``inflight`` counts the POSTs under way; ``served`` the POSTs it admitted."""
+included) run to their end. ``inflight`` counts the POSTs under way, ``served`` the POSTs it admitted, ``refused``
+the POSTs it answered with that 503."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class DrainingEngineApp:
         self.draining = False
         self.inflight = 0
         self.served = 0
+        self.refused = 0
 
     def begin_drain(self) -> None:
         """SIGTERM, as the engine takes it: readiness fails and admission stops at once; admitted requests go on."""
@@ -39,6 +41,7 @@ class DrainingEngineApp:
             return
         refuse = scope["path"] == constants.ENGINE_HEALTH_PATH or scope["method"] == "POST"
         if self.draining and refuse:
+            self.refused += scope["method"] == "POST"
             body = json.dumps(error_body("the engine is draining (shutting down); retry", 503)).encode()
             await send({"type": "http.response.start", "status": 503, "headers": DRAINING_HEADERS})
             await send({"type": "http.response.body", "body": body})
