@@ -29,7 +29,7 @@ CONTRACTS = ROOT / "docs" / "contracts.md"
 # Docs whose metric names and headers must exist too (the reverse checks).
 USER_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-HEADERS = {c.HEADER_REQUEST_ID, c.HEADER_WORKER, c.HEADER_ROUTE_REASON}
+HEADERS = {c.HEADER_REQUEST_ID, c.HEADER_WORKER, c.HEADER_ROUTE_REASON, c.HEADER_DRAINING}
 _METRIC_RE = re.compile(r"radixserve_(?:engine|router|operator)_[a-z0-9_]+")
 _HEADER_RE = re.compile(r"(?<![\w-])x-[a-z][a-z0-9-]*[a-z0-9]", re.IGNORECASE)
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
