@@ -281,6 +281,24 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             float32 logits ``[batch, vocab]``.
         """
+        return self.compute_logits(self.hidden_states(input_ids, positions, logits_indices, run_layer))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        run_layer: LayerRunner | None = None,
+    ) -> torch.Tensor:
+        """All layers over the new tokens, then the final norm over ``rows`` only (the LM head's input).
+
+        Args:
+            input_ids: int64 ``[num_tokens]``; positions: int64 ``[num_tokens]``.
+            rows: int64 ``[R]``, the rows of ``input_ids`` whose final hidden states are wanted (any order).
+            run_layer: calls each decoder layer (``compile.CompiledLayers``); None calls it eagerly.
+        Returns:
+            ``[R, hidden_size]`` in the model dtype, normalised by the final RMSNorm.
+        """
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
@@ -290,8 +308,15 @@ class LlamaForCausalLM(nn.Module):
             else:
                 hidden, residual = run_layer(block, hidden, residual, positions)
         assert residual is not None, "a model has at least one layer"
-        # row-wise from here on: pick the rows first, so the norm and the LM head run on [batch] rows only
-        hidden, _ = self.model.norm.add_norm(hidden[logits_indices], residual[logits_indices])
+        # row-wise from here on: pick the rows first, so the norm and the LM head run on the wanted rows only
+        normed, _ = self.model.norm.add_norm(hidden[rows], residual[rows])
+        return normed
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: float32 logits ``[R, vocab]`` of final hidden states ``[R, hidden_size]`` (``hidden_states``).
+
+        A row's logits are a function of that row alone, so the rows may be given in chunks (bit-identical across
+        chunkings only under ``set_batch_invariant``; otherwise the GEMM's summation order may follow the row count)."""
         if self.lm_head is not None:
             return cast(torch.Tensor, self.lm_head(hidden)).float()
         if self.lm_head_pack is not None:

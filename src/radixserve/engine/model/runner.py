@@ -1,8 +1,9 @@
 """ModelRunner: loads a Llama-family checkpoint into our own forward, owns the KV pool and the attention backend.
 
 The scheduler builds a ``ForwardBatch`` (slots from its req->token table) and calls ``forward``; the runner returns the
-float32 logits of each sequence's last new token. Same role as nano-vllm's ``ModelRunner`` and SGLang's
-``model_executor/model_runner.py`` (minus CUDA graphs and tensor parallelism).
+float32 logits of each sequence's last new token (``forward_with_input_logprobs`` also scores prompt tokens). Same
+role as nano-vllm's ``ModelRunner`` and SGLang's ``model_executor/model_runner.py`` (minus CUDA graphs and tensor
+parallelism).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from radixserve.engine.model.forward_context import forward_context
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_weights
 from radixserve.engine.model.locate import is_gguf_path
+from radixserve.engine.model.logits import InputLogprobQuery, InputLogprobs, score_hidden_states
 from radixserve.engine.model.quant.gguf_file import UnsupportedGGUFType
 from radixserve.engine.model.quant.load import load_gguf_quantized
 from radixserve.engine.model.quant.on_load import (
@@ -317,12 +319,32 @@ class ModelRunner:
 
         Writes the new tokens' K/V into ``kv_pool`` at ``batch.out_cache_loc`` as a side effect.
         """
+        return self.model.compute_logits(self._hidden_states(batch, batch.logits_indices()))
+
+    @torch.inference_mode()
+    def forward_with_input_logprobs(
+        self, batch: ForwardBatch, query: InputLogprobQuery
+    ) -> tuple[torch.Tensor, InputLogprobs]:
+        """``forward`` that also scores prompt tokens: the logits of ``batch`` as ``forward`` returns them, and
+        the logprobs of ``query.targets`` at rows ``query.rows`` of the new tokens (``model/logits.py``, a bounded
+        number of rows at a time). One pass through the layers serves both. ``batch`` is an EXTEND batch."""
+        last = batch.logits_indices()
+        rows = torch.cat([last, query.rows.to(last.device)])
+        hidden = self._hidden_states(batch, rows)
+        n = batch.batch_size
+        logits = self.model.compute_logits(hidden[:n])
+        scores = score_hidden_states(hidden[n:], self.model.compute_logits, query.targets, query.top_k)
+        return logits, scores
+
+    def _hidden_states(self, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+        """The layers over ``batch``'s new tokens (K/V written to the pool); final hidden states ``[len(rows),
+        hidden_size]`` of ``rows`` (int64 row indices into ``batch.input_ids``)."""
         self.attn_backend.init_forward_metadata(batch)
         compiled = self.compiled
         run_layer = compiled if compiled is not None and compiled.uses_compiled(batch.batch_size) else None
         with forward_context(batch, self.kv_pool, self.attn_backend):
-            logits: torch.Tensor = self.model(batch.input_ids, batch.positions, batch.logits_indices(), run_layer)
-        return logits
+            hidden: torch.Tensor = self.model.hidden_states(batch.input_ids, batch.positions, rows, run_layer)
+        return hidden
 
     def warmup(self) -> None:
         """Warm-up forwards written to the dummy slot 0 (no usable slot is touched); with ``torch_compile`` they
