@@ -259,8 +259,9 @@ class Engine:
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[ReqOutput, None]:
         """Run ``req``; yield ``ReqOutput`` deltas of all ``n`` samples until each has finished.
 
-        Raises InvalidRequestError: 503 when not serving, 429 when the queue is full, 400 for a duplicate rid, 400
-        naming the problem for an invalid or unsupported ``json_schema`` / ``regex`` / ``ebnf`` (param = that field).
+        Raises InvalidRequestError: 503 when not serving, 429 when the queue is full, 400 for a duplicate rid or a
+        ``logprob_start_len`` outside the prompt, 400 naming the problem for an invalid or unsupported
+        ``json_schema`` / ``regex`` / ``ebnf`` (param = that field).
         Every error is raised before the first output and before the request reaches the scheduler. A constrained
         request first waits here for its grammar to compile (the grammar queue; it holds no KV slot meanwhile).
         Closing the iterator early (client disconnect, cancellation) aborts the request and frees its KV.
@@ -277,6 +278,14 @@ class Engine:
             )
         if req.rid in self._streams:
             raise InvalidRequestError(f"request id {req.rid!r} is already in flight", "rid")
+        start = req.logprob_start_len
+        if start is not None and (
+            not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(req.input_ids)
+        ):
+            raise InvalidRequestError(
+                f"logprob_start_len must be a prompt position in [0, {len(req.input_ids)}), got {start!r}",
+                "logprob_start_len",
+            )
         if not req.arrival_time:
             req.arrival_time = time.monotonic()
         q: asyncio.Queue[ReqOutput] = asyncio.Queue()

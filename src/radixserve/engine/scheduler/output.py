@@ -115,7 +115,8 @@ class OutputProcessor:
             m.e2e_request_latency_seconds.observe(time.monotonic() - req.arrival_time)
 
     def make_output(self, req: Req) -> ReqOutput:
-        """The delta since the previous one (text, tokens, logprobs); resets the pending buffers."""
+        """The delta since the previous one (text, tokens, logprobs; the prompt's logprobs on the first delta after
+        they are complete); resets the pending buffers."""
         out = ReqOutput(
             rid=req.rid,
             index=req.index,
@@ -127,5 +128,8 @@ class OutputProcessor:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
         )
+        if req.input_logprobs is not None and not req.input_logprobs_sent:  # the prompt's logprobs, once
+            out.input_token_logprobs = req.input_logprobs
+            req.input_logprobs_sent = True
         req.pending_text, req.pending_ids, req.pending_logprobs = "", [], []
         return out

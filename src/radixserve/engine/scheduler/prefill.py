@@ -7,6 +7,10 @@ rest is prefilled; a prompt longer than ``chunked_prefill_size`` (or than the bu
 one chunked request at a time, which continues first in the next batch. A request is admitted only if its chunk plus
 a decode reserve for every running request (``decode_reserve``) fits in the free + evictable slots; an empty engine
 admits what fits without the reserve (nothing else could free memory).
+
+Prompt logprobs (``input_logprobs.py``): a request scoring prompt tokens matches no further than its first scored
+position (``Req.max_prefix_len``), and one that shares 32+ uncached tokens with a request already in the batch waits
+a step to hit them in the cache.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ DECODE_RESERVE_RATIO = 0.3
 # A single request never reserves more than this many decode tokens at admission.
 DECODE_RESERVE_CLIP = 256
 
+# A request scoring prompt tokens that shares this many uncached tokens with a request already in the prefill batch
+# waits for it (``PrefillManager._shares_uncached_prefix``); SGLang's IN_BATCH_PREFIX_CACHING thresholds are 32 too.
+IN_BATCH_PREFIX_MIN_TOKENS = 32
+
 # on_admit(req, counts_cached, first_schedule): a request got its row; counts_cached when its cached prefix was
 # measured for the first time (req.cached_tokens), first_schedule when it left the queue for the first time.
 AdmitHook = Callable[[Req, bool, bool], None]
@@ -38,6 +46,17 @@ def decode_reserve(reqs: Iterable[Req], context_length: int) -> int:
         remaining = r.max_new_tokens(context_length) - len(r.output_ids)
         total += int(min(max(remaining, 0), DECODE_RESERVE_CLIP) * DECODE_RESERVE_RATIO) * max(r.num_samples, 1)
     return total
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (compared in blocks of 64, then token by token)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
+        i += 64
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class PrefillManager:
@@ -106,7 +125,10 @@ class PrefillManager:
             if budget <= 0 or num_running + req.num_samples > cfg.max_running_requests:
                 break
             fill = req.fill_ids
-            match = self.kv.match(fill[:-1])  # the last token is always computed: its logits are needed
+            # The last token is always computed (its logits pick the next one), and prompt tokens to score too.
+            match = self.kv.match(fill[: req.max_prefix_len()])
+            if req.wants_input_logprobs and self._shares_uncached_prefix(req, match.prefix_len, batch):
+                continue  # prefilled by a request of this batch: hit it in the cache next step
             need = len(fill) - match.prefix_len
             chunk = min(need, budget, cfg.chunked_prefill_size)
             if chunk < need and chunk < min(cfg.chunked_prefill_size, need) and batch:
@@ -134,6 +156,19 @@ class PrefillManager:
                 self.chunked_req = req
                 break
         return batch
+
+    def _shares_uncached_prefix(self, req: Req, cached: int, batch: Sequence[Req]) -> bool:
+        """True when ``req`` shares at least ``IN_BATCH_PREFIX_MIN_TOKENS`` tokens past its ``cached`` prefix with a
+        request of ``batch`` (the next prefill batch so far), within what ``req`` may take from the cache.
+
+        Such a request waits one step, then finds the shared tokens in the cache instead of prefilling them again
+        (SGLang's in-batch prefix caching, schedule_policy.py). Applied to requests scoring prompt tokens, e.g.
+        ``select``'s ``[prefix + choice_i]``, whose shared prefix is most of the work; other requests keep
+        prefilling together (time to first token first)."""
+        fill = req.fill_ids[: req.max_prefix_len()]
+        if len(fill) - cached < IN_BATCH_PREFIX_MIN_TOKENS:
+            return False
+        return any(common_prefix_len(fill, other.fill_ids) - cached >= IN_BATCH_PREFIX_MIN_TOKENS for other in batch)
 
     def _admitted(self, req: Req) -> None:
         counts_cached = not req.cached_tokens_set

@@ -34,6 +34,11 @@ class Req:
         self.generator = generator
         self.return_logprob = greq.return_logprob
         self.top_logprobs_num = greq.top_logprobs_num
+        # Prompt logprobs (input_logprobs.py): asked from this prompt position on, or None.
+        self.logprob_start_len = greq.logprob_start_len
+        self.input_logprobs: list[TokenLogprob | None] | None = None  # all of them, once the prompt is prefilled
+        self.input_logprobs_partial: list[TokenLogprob] = []  # scored so far, over earlier prefill chunks
+        self.input_logprobs_sent = False
         self.num_samples = greq.sampling_params.n  # > 1 only for a parent that still has to fork
 
         self.req_pool_idx: int | None = None
@@ -73,6 +78,27 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """True while the request asked for prompt logprobs and they are not all computed yet."""
+        return self.logprob_start_len is not None and self.input_logprobs is None
+
+    def input_logprob_positions(self) -> range:
+        """Prompt positions whose logits score a prompt token (position ``p`` scores token ``p + 1``):
+        ``max(logprob_start_len - 1, 0) .. prompt_len - 2``; empty when no prompt logprobs are asked for."""
+        if self.logprob_start_len is None:
+            return range(0)
+        return range(max(self.logprob_start_len - 1, 0), len(self.origin_input_ids) - 1)
+
+    def max_prefix_len(self) -> int:
+        """Tokens of ``fill_ids`` a radix-cache match may cover, so the tokens after it get logits: all but the last
+        (its logits pick the next token), and while prompt logprobs are wanted, at most the first scored position
+        (a cached prefix has no logits: positions from ``logprob_start_len - 1`` on must be prefilled)."""
+        cap = len(self.fill_ids) - 1
+        if self.wants_input_logprobs:
+            cap = min(cap, self.input_logprob_positions().start)
+        return max(cap, 0)
+
     def max_new_tokens(self, context_length: int) -> int:
         """Tokens this sample may generate: ``max_new_tokens``, or up to the context when it is None."""
         m = self.params.max_new_tokens
@@ -85,6 +111,7 @@ class Req:
         self.last_node = None
         self.kv_len = 0
         self.extend_len = 0
+        self.input_logprobs_partial = []  # prompt logprobs not complete yet: the re-prefill scores them again
 
     def __repr__(self) -> str:
         return (

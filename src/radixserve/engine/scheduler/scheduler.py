@@ -11,6 +11,7 @@ requests when the KV pool runs out). The parts, each in its own module, after mi
   ``cache_req(req, finished)``;
 - ``batch``: ``ForwardBatch`` building; ``sample_step.BatchSampler``: sampling with grammar masks;
 - ``output.OutputProcessor``: tokens -> text, finish checks (``finish.FinishReason``), ``ReqOutput`` deltas;
+- ``input_logprobs``: the prompt tokens a prefill batch scores (``logprob_start_len``), across chunks;
 - ``timing``: the per-step split (forward / sampling / scheduling / output) and grammar timing.
 
 This module keeps the loop and the thread-safe API (``submit``, ``abort``, ``call``, ``start``, ``stop``).
@@ -40,6 +41,7 @@ from radixserve.engine.scheduler.cache import KVCacheManager, PrefixCache
 from radixserve.engine.scheduler.config import SchedulerConfig
 from radixserve.engine.scheduler.decode import DecodeManager
 from radixserve.engine.scheduler.finish import FinishKind, FinishReason
+from radixserve.engine.scheduler.input_logprobs import complete_input_logprobs, plan_input_logprobs
 from radixserve.engine.scheduler.output import OutputProcessor
 from radixserve.engine.scheduler.prefill import DECODE_RESERVE_CLIP, DECODE_RESERVE_RATIO, PrefillManager
 from radixserve.engine.scheduler.request import Req
@@ -345,8 +347,13 @@ class Scheduler:
         if not batch:
             return None
         fb = extend_batch(batch, self.req_to_token, self.device)
+        plan = plan_input_logprobs(batch)  # prompt tokens to score in this batch (logprob_start_len)
         t_fwd = time.perf_counter()
-        logits = self.runner.forward(fb)
+        if plan is None:
+            logits = self.runner.forward(fb)
+        else:
+            logits, scores = self.runner.forward_with_input_logprobs(fb, plan.query)
+            plan.deliver(scores)
         forward_s = time.perf_counter() - t_fwd
         self.forward_count += 1
 
@@ -354,6 +361,7 @@ class Scheduler:
         for i, req in enumerate(batch):
             req.kv_len += req.extend_len
             req.extend_len = 0
+            complete_input_logprobs(req)
             # A chunk or a whole prompt: into the cache right away, so siblings and later requests hit it.
             self.kv.cache_req(req, finished=False)
             if req.kv_len == req.seq_len:
@@ -423,6 +431,7 @@ class Scheduler:
             child.cached_tokens = parent.cached_tokens
             child.cached_tokens_set = True
             child.first_scheduled_time = parent.first_scheduled_time
+            child.input_logprobs = parent.input_logprobs  # the prompt's, scored once by the parent's prefill
             child.num_samples = 1
             children.append(child)
         parent.num_samples = 1
