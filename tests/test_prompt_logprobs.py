@@ -24,7 +24,14 @@ import torch
 from radixserve.engine.config import EngineArgs
 from radixserve.engine.engine import Engine
 from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput, SamplingParams, TokenLogprob
+from radixserve.engine.memory.allocator import ReqToTokenPool, TokenSlotAllocator
+from radixserve.engine.memory.no_prefix_cache import NoPrefixCache
+from radixserve.engine.memory.radix_cache import RadixCache
 from radixserve.engine.model.logits import score_hidden_states
+from radixserve.engine.scheduler.cache import KVCacheManager
+from radixserve.engine.scheduler.config import SchedulerConfig
+from radixserve.engine.scheduler.prefill import PrefillManager
+from radixserve.engine.scheduler.request import Req
 
 from tiny_model import write_tiny_model
 
@@ -123,7 +130,8 @@ def run(engine: Engine, reqs: list[GenerateRequest]) -> list[list[ReqOutput]]:
         return [out async for out in engine.generate(req)]
 
     async def go() -> list[list[ReqOutput]]:
-        return await asyncio.gather(*[collect(r) for r in reqs])
+        # a request that never finishes fails here instead of hanging the suite
+        return await asyncio.wait_for(asyncio.gather(*[collect(r) for r in reqs]), timeout=60)
 
     return asyncio.run(go())
 
@@ -239,6 +247,52 @@ def test_parallel_samples_each_carry_the_prompt_logprobs(fresh, reference):
     (outs,) = run(fresh, [request(ids, start=4, max_new=2, n=3)])
     for i in range(3):
         check(prompt_logprobs(outs, i), ids, 4, reference(ids))
+
+
+def test_parallel_samples_of_a_prompt_only_request_all_finish(fresh, reference):
+    ids = prompt(30, seed=9)
+    (outs,) = run(fresh, [request(ids, start=0, max_new=0, n=2)])
+    assert sorted(o.index for o in outs if o.finished) == [0, 1]
+    for i in range(2):
+        check(prompt_logprobs(outs, i), ids, 0, reference(ids))
+
+
+def scorer(rid: str, ids: list[int], start: int | None) -> Req:
+    """A prompt-only scheduler request (no model: admission tests)."""
+    return Req(GenerateRequest(rid, ids, SamplingParams(max_new_tokens=0), logprob_start_len=start), 0, None, None)
+
+
+def prefilled(kv: KVCacheManager, batch: list[Req]) -> None:
+    """What the scheduler does around a prefill forward: slots, then the computed KV into the cache."""
+    for req in batch:
+        kv.alloc_extend(req)
+        req.kv_len += req.extend_len
+        req.extend_len = 0
+        kv.cache_req(req, finished=False)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_admission_caps_the_match_and_waits_for_a_shared_prefix_only_with_a_cache(radix):
+    alloc = TokenSlotAllocator(512, check=True)
+    kv = KVCacheManager(alloc, ReqToTokenPool(16, 257), RadixCache(alloc) if radix else NoPrefixCache(alloc))
+    manager = PrefillManager(SchedulerConfig(context_length=256), kv)
+    shared = list(range(3, 43))  # 40 tokens
+    first = scorer("first", shared + [50, 51], None)
+    manager.add(first)
+    assert manager.schedule([]) == [first]
+    prefilled(kv, [first])  # the whole prompt is cached now (with a radix cache)
+    scorers = [scorer(f"s{i}", shared + [60 + i, 70 + i], 30) for i in range(3)]
+    for req in scorers:
+        manager.add(req)
+    batch = manager.schedule([])
+    # the prefix is cached, but a match stops at position 29, whose logits score token 30: all three hit it
+    assert batch == scorers and [r.prefix_len for r in batch] == [29 if radix else 0] * 3
+    prefilled(kv, batch)
+    cold = [scorer(f"c{i}", list(range(100, 140)) + [60 + i, 70 + i], 40) for i in range(3)]
+    for req in cold:
+        manager.add(req)
+    # 39 uncached shared tokens: with a cache the first prefills them and the others wait a step for them
+    assert manager.schedule([]) == (cold[:1] if radix else cold)
 
 
 def test_select_prefills_the_shared_prefix_once(fresh, reference):

@@ -30,7 +30,7 @@ DECODE_RESERVE_RATIO = 0.3
 DECODE_RESERVE_CLIP = 256
 
 # A request scoring prompt tokens that shares this many uncached tokens with a request already in the prefill batch
-# waits for it (``PrefillManager._shares_uncached_prefix``); SGLang's IN_BATCH_PREFIX_CACHING thresholds are 32 too.
+# waits for it (``PrefillManager._waits_for_batch_prefix``); SGLang's IN_BATCH_PREFIX_CACHING thresholds are 32 too.
 IN_BATCH_PREFIX_MIN_TOKENS = 32
 
 # on_admit(req, counts_cached, first_schedule): a request got its row; counts_cached when its cached prefix was
@@ -127,7 +127,7 @@ class PrefillManager:
             fill = req.fill_ids
             # The last token is always computed (its logits pick the next one), and prompt tokens to score too.
             match = self.kv.match(fill[: req.max_prefix_len()])
-            if req.wants_input_logprobs and self._shares_uncached_prefix(req, match.prefix_len, batch):
+            if self._waits_for_batch_prefix(req, match.prefix_len, batch):
                 continue  # prefilled by a request of this batch: hit it in the cache next step
             need = len(fill) - match.prefix_len
             chunk = min(need, budget, cfg.chunked_prefill_size)
@@ -157,14 +157,17 @@ class PrefillManager:
                 break
         return batch
 
-    def _shares_uncached_prefix(self, req: Req, cached: int, batch: Sequence[Req]) -> bool:
-        """True when ``req`` shares at least ``IN_BATCH_PREFIX_MIN_TOKENS`` tokens past its ``cached`` prefix with a
-        request of ``batch`` (the next prefill batch so far), within what ``req`` may take from the cache.
+    def _waits_for_batch_prefix(self, req: Req, cached: int, batch: Sequence[Req]) -> bool:
+        """True when ``req`` scores prompt tokens and shares at least ``IN_BATCH_PREFIX_MIN_TOKENS`` tokens past its
+        ``cached`` prefix with a request of ``batch`` (the next prefill batch so far), within what ``req`` may take
+        from the cache; never without a prefix cache.
 
         Such a request waits one step, then finds the shared tokens in the cache instead of prefilling them again
         (SGLang's in-batch prefix caching, schedule_policy.py). Applied to requests scoring prompt tokens, e.g.
         ``select``'s ``[prefix + choice_i]``, whose shared prefix is most of the work; other requests keep
         prefilling together (time to first token first)."""
+        if not req.wants_input_logprobs or not self.kv.shares_prefixes:
+            return False
         fill = req.fill_ids[: req.max_prefix_len()]
         if len(fill) - cached < IN_BATCH_PREFIX_MIN_TOKENS:
             return False

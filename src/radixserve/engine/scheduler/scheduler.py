@@ -369,10 +369,12 @@ class Scheduler:
         rows: list[int] = []
         samplers: list[Req] = []
         for i, req in done:
-            if req.params.max_new_tokens == 0:
-                self._finish(req, FinishReason.length(), outputs)
+            children = self._fork(req) if req.num_samples > 1 else [req]
+            if req.params.max_new_tokens == 0:  # prefill only (e.g. scoring the prompt): every sample ends here
+                for child in children:
+                    self._finish(child, FinishReason.length(), outputs)
                 continue
-            for child in self._fork(req) if req.num_samples > 1 else [req]:
+            for child in children:
                 rows.append(i)
                 samplers.append(child)
         sample_s = output_s = 0.0
