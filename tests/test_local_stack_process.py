@@ -185,7 +185,7 @@ def test_ctrl_c_drains_the_stack_and_a_second_ctrl_c_stops_it_at_once(tmp_path: 
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C again: at once
         threads[1].join(10)
         assert proc.wait(30) == 0
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 15  # at once (the engine's own 2 s stop included), not the 60 s bound
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -70,7 +70,7 @@ def test_drain_refuses_new_requests_and_a_second_signal_ends_streams_at_once(tok
         t0 = time.monotonic()
         loop.call_soon_threadsafe(drain.cancel)  # what a second Ctrl-C does (contracts/serving.py)
         stream.thread.join(10)
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 5  # at once, not the 30 s bound
         wait_for(lambda: bool(engine.aborted), 5, "the engine's request aborted")
     events = stream.events()
     assert events[-1]["error"]["code"] == 503 and "shutting down" in events[-1]["error"]["message"]

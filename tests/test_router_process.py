@@ -111,7 +111,7 @@ def test_sigterm_drains_streams_in_flight_refuses_new_requests_and_ends_the_rest
             short.thread.join(30)
             long.thread.join(30)
             assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
-            assert 2.5 < time.monotonic() - t0 < 6, "the router did not stop at its shutdown timeout"
+            assert 2.5 < time.monotonic() - t0 < 10, "the router did not stop at its shutdown timeout"
         wait_for(lambda: len(engine.aborted) == 1, 5, "the long stream's request aborted on the engine")
     events = short.events()  # finished: every token, no error
     assert not any("error" in e for e in events), events[-2:]

