@@ -185,3 +185,29 @@ def test_the_step_split_covers_each_phase():
     assert split.total_s + sched.step_timing.extend.total_s <= wall
     ms = split.per_step_ms()
     assert abs(ms["total"] - sum(ms[k] for k in ("forward", "sample", "schedule", "output"))) < 1e-9
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_crash_in_a_prefill_forward_fails_that_batchs_requests(n):
+    # Regression: a scheduler loop that crashed in a prefill forward failed the waiting and running requests but not
+    # the batch being prefilled (out of `waiting`, not yet `running`): their clients hung until they gave up. And an
+    # n > 1 request not yet forked into its samples finished only sample 0 (the engine waits for all n).
+    sched, outputs = make_scheduler()
+
+    def crash(fb: ForwardBatch) -> torch.Tensor:
+        raise RuntimeError("boom in the forward")
+
+    sched.runner.forward = crash  # type: ignore[method-assign]
+    for i, p in enumerate(PROMPTS[:2]):
+        sched.submit(GenerateRequest(f"c{i}", list(p), SamplingParams(max_new_tokens=4, n=n)))
+    sched.start()
+    deadline = time.monotonic() + 30
+    while sum(o.finished for o in outputs) < 2 * n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sched.stop()
+    finished = sorted((o.rid, o.index) for o in outputs if o.finished)
+    assert finished == sorted((f"c{i}", j) for i in range(2) for j in range(n))
+    for o in outputs:
+        assert o.finish_reason is not None and o.finish_reason["type"] == "abort"
+        assert "boom in the forward" in o.finish_reason["message"]
+    assert not sched.alive and isinstance(sched.error, RuntimeError)

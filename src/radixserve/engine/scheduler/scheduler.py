@@ -130,6 +130,9 @@ class Scheduler:
         self.last_output_time = 0.0
         self.forward_count = 0
         self.error: BaseException | None = None
+        # The prefill batch being run: out of ``waiting`` and not yet ``running`` while its forward runs, so a crash
+        # there must still fail these requests (regression: their clients hung).
+        self._extending: list[Req] = []
         self.grammar_timing = GrammarTiming({})
         self.step_timing = StepTiming()
         self.decode_stats = DecodeStatsLog(config.decode_log_interval)
@@ -221,7 +224,9 @@ class Scheduler:
         batch = self.prefill.schedule(self.decode.running)
         phases = None
         if batch:
+            self._extending = batch
             phases = self._run_extend(batch, outputs)
+            self._extending = []
         elif self.decode.running:
             phases = self._run_decode(outputs)
         t_emit = time.perf_counter()
@@ -313,8 +318,8 @@ class Scheduler:
     def _abort_all(self, message: str) -> None:
         outputs: list[ReqOutput] = []
         chunked = [self.prefill.chunked_req] if self.prefill.chunked_req is not None else []
-        reqs = self.prefill.waiting + self.decode.running + chunked
-        self.prefill.waiting, self.decode.running, self.prefill.chunked_req = [], [], None
+        reqs = list({id(r): r for r in self.prefill.waiting + self.decode.running + chunked + self._extending}.values())
+        self.prefill.waiting, self.decode.running, self.prefill.chunked_req, self._extending = [], [], None, []
         reason = FinishReason.abort(message)
         for req in reqs:
             try:
@@ -322,6 +327,8 @@ class Scheduler:
             except Exception:  # memory state may be broken after a crash; still tell every client
                 req.finish_reason = reason
                 outputs.append(self.output.make_output(req))
+            for i in range(req.index + 1, req.index + req.num_samples):  # an unforked parent's other samples
+                outputs.append(ReqOutput(req.rid, i, "", [], None, reason.to_dict(), len(req.origin_input_ids), 0, 0))
         while True:  # requests submitted but never received
             try:
                 greq = self.inbox.get_nowait()
