@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 
-from draining_engine import DrainingEngineApp
 from radixserve.contracts import constants
 from radixserve.engine.server.http import create_app as engine_app
 from radixserve.router.app import create_app
@@ -24,6 +23,7 @@ from radixserve.router.config import RouterArgs
 from radixserve.router.proxy import Proxy
 from test_router_process import LONG, Stream, wait_for
 
+from draining_engine import DrainingEngineApp
 from fake_engine import FakeEngine, ServerThread, load_tokenizer
 
 

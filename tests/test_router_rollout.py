@@ -23,7 +23,6 @@ from typing import Any
 import httpx
 import pytest
 
-from draining_engine import DrainingEngineApp
 from radixserve.contracts import constants
 from radixserve.engine.server.http import create_app as engine_app
 from radixserve.operator.render import ENGINE_CONTAINER, RenderOptions, render_children
@@ -32,6 +31,7 @@ from radixserve.router.app import create_app
 from radixserve.router.config import RouterArgs
 from test_router_discovery import NS, create, delete, make_slice, patch
 
+from draining_engine import DrainingEngineApp
 from fake_engine import FakeEngine, ServerThread, load_tokenizer
 from k8s_emulator import k8s  # noqa: F401 - pytest fixture
 
