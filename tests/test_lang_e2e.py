@@ -165,9 +165,9 @@ def test_fork_tips_join_both_ways_with_the_prefix_prefilled_once(stack: tuple[st
     assert gathered.error() is None and appended.error() is None
     tips = gathered["detailed_tip"]
     assert isinstance(tips, list) and len(tips) == len(example.TIPS) and all(isinstance(t, str) for t in tips)
-    assert all("\n" not in t for t in tips)
+    assert all(t.strip() and "\n" not in t for t in tips)
     text = appended.text()
-    positions = [text.index(f"expand tip {i + 1} into one sentence") for i in range(len(example.TIPS))]
+    positions = [text.index(f"expand tip {i + 1} into a sentence") for i in range(len(example.TIPS))]
     assert positions == sorted(positions)  # each fork's text appended in order
     assert "detailed_tip" not in appended and isinstance(appended["summary"], str)
     # The text before the fork was prefilled once (before the forks): every fork found it cached.
@@ -191,8 +191,9 @@ def test_tool_use_feeds_the_functions_result_back(backend: Any) -> None:
     example = load_example("tool_use")
     state = example.run_example()
     assert state.error() is None
-    assert re.fullmatch(example.CITY_REGEX, state["city"]) and example.CALLS == [state["city"]]
-    assert f'"city": "{state["city"]}"' in state.text()  # the tool's result is in the prompt of the answer
+    city = state["city"]
+    assert re.fullmatch(example.CITY_REGEX, city) and example.CALLS == [city.strip()]
+    assert f'"city": "{city.strip()}"' in state.text()  # the tool's result is in the prompt of the answer
     assert isinstance(state["answer"], str) and state["answer"].strip()
 
 

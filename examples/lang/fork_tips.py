@@ -15,7 +15,7 @@ INTRO = "Here are three tips for staying healthy: " + "; ".join(f"{i + 1}. {t}" 
 def tips(s: Any, join_mode: str = "gather_variable") -> Any:
     s += INTRO
     forks = s.fork(len(TIPS))
-    forks += lambda i: f"\nNow, expand tip {i + 1} into one sentence:\n"
+    forks += lambda i: f"\nNow, expand tip {i + 1} into a sentence.\nTip {i + 1}:"
     forks += sgl.gen("detailed_tip", max_tokens=16, stop="\n")
     forks.join(join_mode)
     if join_mode == "gather_variable":

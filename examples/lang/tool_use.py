@@ -7,7 +7,9 @@ from typing import Any
 
 import radixserve.lang as sgl
 
-CITY_REGEX = r"[A-Z][a-z]+( [A-Z][a-z]+)?"
+# One capitalized word after a space: the prompt ends at "city:" (a prompt ending in a space puts a small model at an
+# odd token boundary), and a single word keeps it from running on past the name.
+CITY_REGEX = r" [A-Z][a-z]+"
 CALLS: list[str] = []
 
 
@@ -21,8 +23,8 @@ def get_weather(city: str) -> str:
 def weather_assistant(s: Any, question: str) -> None:
     s += sgl.system("You can look up the weather with the get_weather(city) tool.")
     s += sgl.user(question)
-    s += sgl.assistant("Calling get_weather for the city: " + sgl.gen("city", regex=CITY_REGEX, max_tokens=8))
-    result = get_weather(s["city"])  # the program waits for the gen, then runs ordinary Python
+    s += sgl.assistant("Calling get_weather for the city:" + sgl.gen("city", regex=CITY_REGEX, max_tokens=8))
+    result = get_weather(s["city"].strip())  # the program waits for the gen, then runs ordinary Python
     s += sgl.user(f"get_weather returned {result}. Now answer my question in one sentence.")
     s += sgl.assistant(sgl.gen("answer", max_tokens=24, stop="\n"))
 
