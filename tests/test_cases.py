@@ -362,11 +362,15 @@ def test_case3_legacy_offsets_with_characters_split_over_tokens(url):
     }
     assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
     # Echo: the prompt's tokens come first, and the completion's offsets continue after the prompt's text.
-    choice = post(url, "/v1/completions", {**body, "echo": True}).json()["choices"][0]
+    echoed = post(url, "/v1/completions", {**body, "echo": True}).json()
+    choice = echoed["choices"][0]
     assert choice["text"] == COPY_PROMPT + text
     _check_offsets(choice["text"], choice["logprobs"])
-    n_prompt = choice["logprobs"]["token_logprobs"].count(None)
+    n_prompt = echoed["usage"]["prompt_tokens"]
     assert choice["logprobs"]["text_offset"][n_prompt] == len(COPY_PROMPT)
+    # The prompt is scored too: a logprob for every prompt token but the first, which has nothing before it.
+    scores = choice["logprobs"]["token_logprobs"]
+    assert scores[0] is None and all(isinstance(v, float) and v <= 0 for v in scores[1:])
 
 
 def test_case3_invalid_logprob_requests_are_400(url):

@@ -268,3 +268,32 @@ def test_request_the_scheduler_cannot_take_fails_alone(server):
     assert engine.is_healthy()
     r = httpx.post(url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
     assert r.status_code == 200
+
+
+def test_prompt_logprobs_match_output_logprobs(server, client):
+    # A greedy token's output logprob and its logprob as a prompt token (the prompt + that token, scored) are the
+    # same quantity, from two prefills; completions' echo + logprobs report the same prompt logprobs.
+    url, engine = server
+    ids = engine.tokenizer.encode("The capital of France is")
+    greedy = {"max_new_tokens": 1, "temperature": 0}
+    body = {"input_ids": ids, "sampling_params": greedy, "return_logprob": True, "top_logprobs_num": 3}
+    out = httpx.post(url + "/generate", json=body, timeout=300).json()["meta_info"]
+    ((lp, tok, _),) = out["output_token_logprobs"]
+    body = {
+        "input_ids": ids + [tok],
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 3,
+    }
+    scored = httpx.post(url + "/generate", json=body, timeout=300).json()["meta_info"]
+    entries, tops = scored["input_token_logprobs"], scored["input_top_logprobs"]
+    assert [e[1] for e in entries] == ids + [tok] and entries[0][0] is None and tops[0] is None
+    assert all(e[0] <= 0 for e in entries[1:]) and all(len(t) == 3 for t in tops[1:])
+    assert entries[-1][0] == pytest.approx(lp, abs=0.05)
+    assert tops[-1][0][1] == tok  # greedy: the token was the most likely one there too
+    r = client.completions.create(model=MODEL, prompt=ids + [tok], max_tokens=0, echo=True, logprobs=2)
+    legacy = r.choices[0].logprobs
+    assert legacy.token_logprobs[0] is None and legacy.top_logprobs[0] is None
+    assert legacy.token_logprobs[1:] == pytest.approx([e[0] for e in entries[1:]], abs=1e-3)
+    assert all(len(t) <= 3 for t in legacy.top_logprobs[1:])
