@@ -102,6 +102,19 @@ def test_penalties_change_greedy_choice():
     assert out.next_token_ids == [0]
 
 
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_a_greedy_tokens_top_logprobs_start_with_it_when_logits_tie(k):
+    # Regression: bf16 logits tie (' help' / ' assist' after "Hi" on an AMD EPYC); argmax took one token, topk listed
+    # the other first, so a greedy reply's top_logprobs[0] named another token than the one returned.
+    logits = torch.full((1, 40), -5.0)
+    logits[0, [7, 21, 30]] = 3.0  # a three-way tie: argmax picks id 7
+    out = run(logits.clone(), [SamplingParams(temperature=0.0)], outputs=[[]], prompts=[[]], lp=[True], top=[k])
+    tl = out.logprobs[0]
+    assert out.next_token_ids[0] == tl.token_id == 7
+    assert len(tl.top) == k and [t for t, _ in tl.top][:3] == [7, 21, 30][:k]
+    assert all(math.isclose(v, tl.logprob) for _, v in tl.top[:3])
+
+
 def test_logprobs_are_raw_log_softmax_with_sorted_top():
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 40, generator=g) * 2

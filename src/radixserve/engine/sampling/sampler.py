@@ -304,9 +304,21 @@ def _gather_logprobs(
         out[i] = TokenLogprob(
             token_id=chosen_ids[j],
             logprob=chosen_lp[j],
-            top=list(zip(top_ids[j][:k], top_vals[j][:k])),
+            top=_ties_ordered(list(zip(top_ids[j], top_vals[j])), chosen_ids[j], chosen_lp[j])[:k],
         )
     return out
+
+
+def _ties_ordered(top: list[tuple[int, float]], chosen: int, chosen_lp: float) -> list[tuple[int, float]]:
+    """``top`` (token id, logprob), descending, with equal logprobs ordered by the chosen token first, then by id.
+
+    bf16 logits tie often (the demo model's ``' help'`` and ``' assist'`` after "Hi" on an AMD EPYC), and topk orders
+    ties arbitrarily: greedy argmax takes the lowest id, so without this a greedy reply's ``top_logprobs[0]`` could
+    name another token than the one returned (regression: tests/test_server_e2e.py, test_chat_logprobs_shapes). A
+    chosen token tied with the top but left out by topk is put back in first place."""
+    if top and chosen_lp >= top[0][1] and all(t != chosen for t, _ in top):
+        top = [(chosen, chosen_lp), *top[:-1]]
+    return sorted(top, key=lambda tv: (-tv[1], tv[0] != chosen, tv[0]))
 
 
 # --------------------------------------------------------------------------------------------------------------------
