@@ -69,9 +69,7 @@ def ensure_sidecar(gguf_path: str) -> Path:
     )
     if proc.returncode != 0 or not (target / _DONE).exists():
         lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        raise ValueError(
-            f"{gguf_path}: transformers cannot read its config: {lines[-1] if lines else 'no output'}"
-        )
+        raise ValueError(f"{gguf_path}: transformers cannot read its config: {lines[-1] if lines else 'no output'}")
     return target
 
 
