@@ -71,6 +71,9 @@ class EngineArgs:
     decode_log_interval: int = 40  # decode steps between "Decode batch." stats lines (SGLang's)
     max_request_body_bytes: int = 8 * 1024 * 1024
     api_key: str | None = None
+    # Graceful drain (docs/contracts.md): seconds requests in flight may still run after SIGTERM / Ctrl-C
+    # (default: $RADIXSERVE_SHUTDOWN_TIMEOUT when set, add_engine_args)
+    shutdown_timeout: float = constants.DEFAULT_SHUTDOWN_TIMEOUT_S
     log_level: str = "info"
     warmup: bool = True
     # Jinja chat template (a file, or the template itself) replacing the tokenizer's; engine/tokenizer/chat_template.py
@@ -186,6 +189,10 @@ HELP: dict[str, str] = {
     "max_request_body_bytes": "largest request body in bytes; larger ones are answered 413",
     "api_key": "require 'Authorization: Bearer KEY' on every request but health probes and metrics (default: the "
     f"{API_KEY_ENV} environment variable, which keeps the key off the command line)",
+    "shutdown_timeout": "graceful drain: on SIGTERM / Ctrl-C /health fails and new generation requests get 503 at "
+    "once, while requests in flight (streams too) may finish for up to this many seconds; the rest are then aborted "
+    "with a 503 or an SSE error event (a second signal: at once) (default: %(default)s; "
+    f"${constants.SHUTDOWN_TIMEOUT_ENV} when set)",
     "log_level": "log level (case-insensitive)",
     "warmup": "run a warm-up forward pass before serving (default: on; --no-warmup skips it)",
     "chat_template": "Jinja chat template replacing the tokenizer's: a file path, or the template text itself "
@@ -220,6 +227,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=action, default=f.default, help=HELP[f.name])
         elif f.name == "api_key":  # a secret: no %(default)s
             parser.add_argument(flag, type=str, default=os.environ.get(API_KEY_ENV) or None, help=HELP[f.name])
+        elif f.name == "shutdown_timeout":  # a string default is converted by type=float: a bad value is a usage error
+            env = os.environ.get(constants.SHUTDOWN_TIMEOUT_ENV) or None
+            parser.add_argument(flag, type=float, default=f.default if env is None else env, help=HELP[f.name])
         else:
             typ: Callable[[str], object] = int if "int" in str(f.type) else float if "float" in str(f.type) else str
             if f.name == "log_level":
@@ -229,8 +239,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_engine_args(args: EngineArgs) -> None:
     """Raise ``ValueError`` naming the flag for a value no engine can run with (a value outside a flag's choices,
-    an integer below its least valid value, a memory fraction outside (0, 1), a chat template that is a missing file
-    or does not compile, deterministic inference on flashinfer). ``EngineArgs()`` passes."""
+    an integer below its least valid value, a negative ``--shutdown-timeout``, a memory fraction outside (0, 1), a
+    chat template that is a missing file or does not compile, deterministic inference on flashinfer).
+    ``EngineArgs()`` passes."""
     for name, choices in CHOICES.items():
         value = getattr(args, name)
         if value is not None and value not in choices:
@@ -242,6 +253,8 @@ def validate_engine_args(args: EngineArgs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if args.port > 65535:
         raise ValueError(f"--port {args.port} is not a TCP port")
+    if not args.shutdown_timeout >= 0:  # NaN too
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     from radixserve.engine.cpu_threads import check_bind_spec
 
     try:

@@ -42,8 +42,9 @@ logger = logging.getLogger("radixserve.up")
 
 # Engine fields the stack sets per process; every other non-default engine flag is forwarded as given.
 _PER_ENGINE_FIELDS = frozenset({"host", "port", "num_threads", "cpu_omp_threads_bind"})
-# Engine fields that go to the engines in their environment, never on their command line (``ps`` shows it to all).
-_ENV_FIELDS = frozenset({"api_key"})
+# Engine fields that go to the engines in their environment, never on their command line (``ps`` shows the key to
+# all; the shutdown timeout is the router's, given as RADIXSERVE_SHUTDOWN_TIMEOUT by ``engine_env``).
+_ENV_FIELDS = frozenset({"api_key", "shutdown_timeout"})
 # Engine fields always on the command line: the CLI's default (demo://) differs from EngineArgs' (regression: `up
 # --model-path models/smollm2-135m-instruct`, equal to EngineArgs' default, reached the engines as no flag at all).
 _ALWAYS_FIELDS = frozenset({"model_path"})

@@ -4,7 +4,7 @@ Routes: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/completion
 ``GET /v1/models/{model}``, ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``POST /flush_cache``,
 ``POST /abort_request``, ``GET /metrics``, ``GET /get_tokenizer_files`` (for routers that key on token blocks),
 ``GET /cache_events``, ``GET /cache_snapshot``, ``POST /prefix_blocks``, ``GET /load`` (the radix cache and the load
-for routers, ``cache_state.py``). Every
+for routers, ``cache_state.py``). ``drain.py`` is the graceful drain of SIGTERM / Ctrl-C (``run_engine``). Every
 error is the OpenAI error body (``radixserve.contracts.protocol.error_body``): validation errors are 400 (not
 FastAPI's 422), unexpected exceptions 500 without a traceback. A pure-ASGI middleware assigns and echoes
 ``x-request-id``, enforces the request body limit (413) and the optional bearer API key (401). The HTTP event loop
@@ -38,6 +38,7 @@ from radixserve.engine.io_struct import InvalidRequestError
 from radixserve.engine.server import cache_state
 from radixserve.engine.server.client_io import ClientDisconnected
 from radixserve.engine.server.context import ServerContext
+from radixserve.engine.server.drain import Drain, DrainMiddleware
 from radixserve.engine.server.engine_client import EngineClient
 from radixserve.engine.server.request_errors import validation_error
 from radixserve.engine.server.serving_chat import ChatServing
@@ -69,8 +70,12 @@ def create_app(engine: EngineClient, manage_engine: bool = True) -> FastAPI:
     With ``manage_engine`` the app's lifespan starts the engine (``engine.start()`` in a worker thread, so ``/health``
     answers 503 while it warms up) and shuts it down on exit (Ctrl-C, SIGTERM). Pass False when the caller starts
     and stops the engine itself.
+
+    ``app.state.drain`` is the server's ``Drain`` (``drain.py``): once it runs, ``/health``, ``/health_generate``
+    and every new generation request answer its 503 with ``x-radixserve-draining: 1``.
     """
     ctx = ServerContext.of(engine)
+    drain = Drain()
     servings = cache_state.Servings(
         chat=ChatServing(ctx), completions=CompletionServing(ctx), generate=NativeServing(ctx)
     )
@@ -91,6 +96,8 @@ def create_app(engine: EngineClient, manage_engine: bool = True) -> FastAPI:
 
     app = FastAPI(title="radixserve engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
+    app.state.drain = drain
+    app.add_middleware(DrainMiddleware, drain=drain)  # inside the edge: request ids and the API key come first
     app.add_middleware(
         EdgeMiddleware,
         max_body_bytes=engine.args.max_request_body_bytes,
@@ -144,12 +151,16 @@ def create_app(engine: EngineClient, manage_engine: bool = True) -> FastAPI:
 
     @app.get(constants.ENGINE_HEALTH_PATH)
     async def health() -> Response:
+        if drain.draining:
+            return drain.refusal()
         if engine.is_healthy():
             return Response(status_code=200)
         return error_response("the engine is not ready", 503)
 
     @app.get(constants.ENGINE_HEALTH_GENERATE_PATH)
     async def health_generate() -> Response:
+        if drain.draining:
+            return drain.refusal()
         if engine.is_healthy() and await engine.health_generate():
             return Response(status_code=200)
         return error_response("the engine failed to generate", 503)
@@ -235,11 +246,17 @@ def run_engine(args: EngineArgs) -> int:
     serve it with uvicorn on ``args.host:args.port`` until Ctrl-C/SIGTERM; returns the exit status. The app's
     lifespan shuts the engine down.
 
+    The first Ctrl-C/SIGTERM drains (``Drain.run``; docs/contracts.md, "Graceful drain"): ``/health`` and new
+    generation requests get a 503 with ``x-radixserve-draining: 1`` at once, the requests in flight finish for up
+    to ``args.shutdown_timeout`` seconds, the rest are then aborted (a 503, or an SSE error event and ``[DONE]``);
+    a second signal aborts them at once. Then uvicorn shuts down and the process exits 0 (SIGTERM included).
+
     Order: the model paths are checked, then the listening sockets are bound (``bind_listen_sockets``; a port in use
     or a host that does not resolve raises its one-line ``BindError`` within milliseconds, before torch is imported),
     then the model loads, then uvicorn listens on those sockets and the "serving ... on URL" line is logged. Ctrl-C
     is a stop asked for, at any point: exit status 0, and while the model loads one INFO line."""
     import os
+    import signal
     import threading
 
     from radixserve.engine.model.locate import check_model_paths
@@ -269,9 +286,17 @@ def run_engine(args: EngineArgs) -> int:
         # letting uvicorn wait out its graceful timeout and cancel handlers mid-response.
         threading.Thread(target=engine.shutdown, name="radixserve-shutdown", daemon=True).start()
 
+    drain: Drain = app.state.drain
+
+    async def run_drain() -> None:
+        await drain.run(args.shutdown_timeout, abort_requests_in_flight)
+
     def log_serving(url: str) -> None:
         logger.info("serving %s on %s", engine.served_model_name, url)
 
+    # uvicorn re-raises the signal it handled once shut down cleanly: SIGTERM too comes out as KeyboardInterrupt
+    # (exit status 0 after a drain, not death by SIGTERM). Set here, after loading: a SIGTERM then stops as before.
+    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return serve(
             app,
@@ -280,9 +305,11 @@ def run_engine(args: EngineArgs) -> int:
             args.log_level,
             sockets=sockets,
             on_listening=log_serving,
-            on_exit=abort_requests_in_flight,
+            drain=run_drain,
             probe_paths=_PROBE_PATHS,
             timeout_graceful_shutdown=5,
         )
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once shut down cleanly
+    except KeyboardInterrupt:
         return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm or signal.SIG_DFL)
