@@ -121,16 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="routing policy of the router: prefix_hash routes by the prompt's prefix to the engine that holds it "
         "(cache-aware, bounded load); the others balance load only (default: %(default)s)",
     )
-    if not any(a.dest == "shutdown_timeout" for a in p_up._actions):  # not (yet) an engine flag as well
-        p_up.add_argument(
-            "--shutdown-timeout",
-            type=float,
-            default=os.environ.get(constants.SHUTDOWN_TIMEOUT_ENV) or constants.DEFAULT_SHUTDOWN_TIMEOUT_S,
-            help="graceful drain on Ctrl-C / SIGTERM: the router stops admitting requests at once (503) and lets "
-            "those in flight finish for up to this many seconds, then the engines stop (each gets it as "
-            f"${constants.SHUTDOWN_TIMEOUT_ENV}); a second Ctrl-C stops at once (default: %(default)s; "
-            f"${constants.SHUTDOWN_TIMEOUT_ENV} when set)",
-        )
+    # The engine's --shutdown-timeout, worded for the stack: it bounds the router's drain, and each engine's.
+    next(a for a in p_up._actions if a.dest == "shutdown_timeout").help = (
+        "graceful drain on Ctrl-C / SIGTERM: the router stops admitting requests at once (503) and lets those in "
+        "flight finish for up to this many seconds, then the engines stop (each gets it as "
+        f"${constants.SHUTDOWN_TIMEOUT_ENV}); a second Ctrl-C stops at once (default: %(default)s; "
+        f"${constants.SHUTDOWN_TIMEOUT_ENV} when set)"
+    )
     # At OpenAI's default temperature 1.0 the 4-bit 135M demo model rambles (see DEMO_MODEL_SAMPLING_DEFAULTS);
     # requests that set temperature still get what they ask for.
     p_up.set_defaults(
