@@ -8,7 +8,8 @@
 soon as the port is free (a restart with the downtime of an exit, not of a start-up). ``GET /fake_stats`` answers
 what it received: ``{"requests": [rid, ...], "aborted": [rid, ...], "running": [rid, ...]}`` (``aborted``: requests
 whose client left before they finished, the router included). Logs ``serving NAME on URL`` once listening; SIGTERM
-shuts it down as the real engine's does (``/health`` answers 503 at once, requests in flight get up to 2 s to finish).
+shuts it down (``/health`` answers 503 at once, requests in flight get up to 2 s to finish) without the real
+engine's drain (``engine/server/drain.py``: the draining header, a 503 for new requests, ``--shutdown-timeout``).
 """
 
 from __future__ import annotations
