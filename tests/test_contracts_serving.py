@@ -69,6 +69,9 @@ def start_script(script: str, *args: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # SIGINT as a terminal gives it: a run started in the background (`nohup ... &`) hands its children SIGINT
+        # ignored, Python then installs no KeyboardInterrupt handler, and uvicorn's re-raised SIGINT exits 0, not 130.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
