@@ -50,3 +50,15 @@ def get_forward_context() -> ForwardContext:
     if ctx is None:
         raise RuntimeError("attention ran outside a forward_context (run forwards through ModelRunner.forward)")
     return ctx
+
+
+def forward_is_extend() -> bool:
+    """Whether the current forward (if any) is a prefill (``ForwardMode.EXTEND``); False outside ``forward_context``.
+
+    Read by the quantized linears' custom ops at run time (opaque to ``torch.compile``, like the attention op): a
+    prefill takes the dequantized weight whatever its row count, so a prompt's tokens go through one kernel whether
+    the radix cache held most of them or none (the int4 kernel and the dense GEMM round differently)."""
+    from radixserve.engine.model.forward_batch import ForwardMode
+
+    ctx: ForwardContext | None = getattr(_local, "ctx", None)
+    return ctx is not None and ctx.batch.mode == ForwardMode.EXTEND

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixserve.engine.model.forward_context import forward_is_extend
 from radixserve.engine.model.quant.affine import GROUP, Int4Affine
 
 logger = logging.getLogger(__name__)
@@ -298,14 +299,16 @@ def int4_linear(
     dequant_rows: int = DEQUANT_ROWS,
 ) -> torch.Tensor:
     """``x @ W.T`` for a packed ``W`` ``[N, K]`` (an ``Int4Packed``'s tensors): ``x`` ``[T, K]`` -> ``[T, N]``; the int4
-    kernel up to ``dequant_rows`` rows, above them the dequantized weight (``dequantize``) through the dense GEMM
+    kernel up to ``dequant_rows`` rows, above them, and in every prefill (``forward_is_extend``: regression, a cached
+    prompt's last token went through the kernel and a cold one's through the GEMM, and the demo GGUF's greedy answer
+    to one question changed on its second asking), the dequantized weight (``dequantize``) through the dense GEMM
     (``-1``: always the kernel, which is batch invariant: ``--enable-deterministic-inference``; also where the
     packing layout is unknown).
 
     One custom op, so ``torch.compile`` keeps the choice (the row count is symbolic there) and compiled rows equal
     eager rows. Raises RuntimeError on a dtype or shape mismatch.
     """
-    if 0 <= dequant_rows < x.shape[0] and pack_layout() is not None:
+    if 0 <= dequant_rows and (dequant_rows < x.shape[0] or forward_is_extend()) and pack_layout() is not None:
         return F.linear(x, dequantize(weight, scale_zeros, input_copies))
     return int4_mm(x, weight, scale_zeros, input_copies)
 
