@@ -924,3 +924,20 @@ def test_unsupported_schema_is_an_http_400_naming_keyword_and_path(url):
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
         assert "'uniqueItems'" in message and "#/properties/tags" in message
+
+
+@requires_model
+def test_a_grammar_that_matches_no_string_is_a_400_at_compile():
+    # Regression (new-user try): the regex [^\s\S] compiled, then its first decode step failed with "the grammar
+    # rejected token 0": a 500 on the OpenAI endpoints, a 200 aborted with status 500 on /generate. The empty regex
+    # (only the empty string: eos allowed) still compiles. Only a dead start is found here: "a[^\s\S]" still fails
+    # after its "a", at run time.
+    backend = _backend()
+    try:
+        for text in [r"[^\s\S]", r"([^\s\S])+|[^\s\S]x"]:
+            with pytest.raises(InvalidRequestError, match="invalid regex: it matches no string") as e:
+                backend.get_sync("regex", text)
+            assert e.value.status_code == 400 and e.value.param == "regex"
+        assert backend.get_sync("regex", "").kind == "regex"
+    finally:
+        backend.shutdown()

@@ -299,7 +299,21 @@ class GrammarBackend:
         finally:
             if self.metrics is not None:
                 self.metrics.grammar_compile_seconds.observe(time.perf_counter() - t0)
-        return Grammar(kind, text, compiled)
+        result = Grammar(kind, text, compiled)
+        _check_matches_something(result)
+        return result
+
+
+def _check_matches_something(grammar: Grammar) -> None:
+    """Raise InvalidRequestError (400) when ``grammar`` allows no first token at all, not even a stop token: its
+    language is empty (regression: the regex ``[^\\s\\S]`` compiled, then its first decode step failed with "the
+    grammar rejected token 0": a 500, or a 200 aborted with status 500 on /generate)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, grammar.compiled.tokenizer_info.vocab_size)
+    grammar.matcher().fill_next_token_bitmask(bitmask)
+    if not bool(bitmask.any()):
+        raise InvalidRequestError(f"invalid {grammar.kind}: it matches no string", grammar.kind)
 
 
 # Digits allowed in the integer part and in the fraction of an unconstrained JSON number (a float64 holds 15-17
