@@ -181,6 +181,20 @@ def test_error_statuses_name_the_servers_message() -> None:
     assert e.value.status_code == 400
 
 
+def test_a_result_the_server_aborted_raises_instead_of_reading_as_empty_text() -> None:
+    # Regression (new-user try): gen(regex=r"[^\s\S]") came back as s["x"] == "" with no error, because /generate
+    # answers 200 with finish_reason {"type": "abort", "status_code": 500} and lang read only the text.
+    aborted = meta(finish_reason={"type": "abort", "message": "the grammar rejected token 0", "status_code": 500})
+    ep, _ = endpoint(lambda r: httpx.Response(200, json={"text": "", "output_ids": [], "meta_info": aborted}))
+    with pytest.raises(RuntimeEndpointError, match="500: the server aborted the request: the grammar rejected") as e:
+        ep.generate("x", SglSamplingParams())
+    assert e.value.status_code == 500
+    body = sse({"text": "", "meta_info": aborted, "index": 0}, b"[DONE]")
+    streamed, _ = endpoint(lambda r: httpx.Response(200, content=body))
+    with pytest.raises(RuntimeEndpointError, match="the server aborted the request"):
+        list(streamed.generate_stream("x", SglSamplingParams()))
+
+
 def sse(*events: Any) -> bytes:
     return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
 

@@ -349,3 +349,12 @@ def test_up_help_states_the_defaults_of_its_own_flags(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "this port + i (default: 30000)" in out
     assert "(default: prefix_hash)" in out and "(default: 1: on 2 cores" in out
+
+
+def test_a_gguf_in_any_case_is_named_without_its_extension():
+    # Regression (new-user try): `--model-path .../Model.GGUF` was served as `model.gguf`.
+    from radixserve.engine.engine import default_served_model_name
+
+    for path in ("/m/Model.GGUF", "/m/Model.gguf", "models/SmolLM2-135M/"):
+        assert default_served_model_name(path) in ("model", "smollm2-135m")
+    assert default_served_model_name("/m/Model.GGUF") == "model"

@@ -255,7 +255,6 @@ def run_engine(args: EngineArgs) -> int:
     or a host that does not resolve raises its one-line ``BindError`` within milliseconds, before torch is imported),
     then the model loads, then uvicorn listens on those sockets and the "serving ... on URL" line is logged. Ctrl-C
     is a stop asked for, at any point: exit status 0, and while the model loads one INFO line."""
-    import os
     import signal
     import threading
 
@@ -266,10 +265,10 @@ def run_engine(args: EngineArgs) -> int:
 
     sockets = bind_listen_sockets(args.host, args.port)
     try:
-        from radixserve.engine.engine import Engine
+        from radixserve.engine.engine import Engine, default_served_model_name
 
-        if not args.served_model_name:
-            args.served_model_name = os.path.basename(os.path.normpath(args.model_path)).removesuffix(".gguf").lower()
+        if not args.served_model_name:  # regression: a .GGUF in upper case kept its extension in the name
+            args.served_model_name = default_served_model_name(args.model_path)
         logger.info("loading %s (served as %s)", args.model_path, args.served_model_name)
         engine = Engine(args)
     except BaseException as e:

@@ -50,6 +50,19 @@ class RuntimeEndpointError(RuntimeError):
         self.status_code = status_code
 
 
+def _raise_if_aborted(meta_info: dict[str, Any]) -> None:
+    """Raise ``RuntimeEndpointError`` when the server aborted the request (``finish_reason.type == "abort"``: an
+    engine error, a grammar with no continuation, a shutdown), with its message and status. Regression: such a
+    result was taken as an empty completion, and the program went on."""
+    reason = meta_info.get("finish_reason")
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        status = reason.get("status_code")
+        raise RuntimeEndpointError(
+            f"the server aborted the request: {reason.get('message') or 'no message'}",
+            status if isinstance(status, int) else None,
+        )
+
+
 def _error_message(response: httpx.Response) -> str:
     try:
         body = response.json()
@@ -150,6 +163,7 @@ class RuntimeEndpoint:
             obj = obj[0]
         if not isinstance(obj, dict) or not isinstance(obj.get("meta_info"), dict):
             raise RuntimeEndpointError(f"not a native /generate result: {str(obj)[:200]}")
+        _raise_if_aborted(obj["meta_info"])
         return obj
 
     # -- the Backend protocol ----------------------------------------------------------------------------------------
@@ -189,6 +203,7 @@ class RuntimeEndpoint:
                         message = error.get("message", error) if isinstance(error, dict) else error
                         raise RuntimeEndpointError(f"the stream failed: {message}")
                     meta = merge_stream_meta(meta, event.get("meta_info") or {})
+                    _raise_if_aborted(meta)
                     yield str(event.get("text", "")), meta
         except httpx.HTTPError as e:
             raise RuntimeEndpointError(f"streaming POST {self.base_url}/generate failed: {e}") from e
