@@ -100,6 +100,15 @@ def test_native_stream_carries_input_logprobs_on_every_event(client, engine):
     assert [len(e["meta_info"]["output_token_logprobs"]) for e in events] == [1, 1, 1]
 
 
+def test_a_one_entry_list_for_one_prompt_is_its_value(client, engine):
+    # Regression (new-user try): {"text": "a b", "logprob_start_len": [0]} was refused: "one entry per prompt".
+    base = {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 1}}
+    plain = client.post("/generate", json={**base, "logprob_start_len": 1}).json()
+    listed = client.post("/generate", json={**base, "logprob_start_len": [1]}).json()
+    assert listed["meta_info"]["input_token_logprobs"] == plain["meta_info"]["input_token_logprobs"]
+    assert len(plain["meta_info"]["input_token_logprobs"]) == len(PROMPT) - 1
+
+
 @pytest.mark.parametrize(
     "patch, param, needle",
     [
@@ -108,7 +117,7 @@ def test_native_stream_carries_input_logprobs_on_every_event(client, engine):
         ({"logprob_start_len": -2}, "logprob_start_len", "-1"),
         ({"logprob_start_len": True}, "logprob_start_len", "logprob_start_len"),
         ({"logprob_start_len": "1"}, "logprob_start_len", "logprob_start_len"),
-        ({"logprob_start_len": [0]}, "logprob_start_len", "one entry per prompt"),
+        ({"logprob_start_len": [0, 1]}, "logprob_start_len", "one entry per prompt (1), got 2"),
         ({"input_ids": [PROMPT, [1]], "logprob_start_len": [0]}, "logprob_start_len", "one entry per prompt"),
         ({"input_ids": [PROMPT, [1]], "logprob_start_len": [0, 1]}, "logprob_start_len[1]", "[0, 1)"),
         ({"top_logprobs_num": -1}, "top_logprobs_num", "top_logprobs_num"),

@@ -83,8 +83,11 @@ class NativeServing(Serving[GenerateReqInput, NativeJob]):
         match the prompts, or a value that is neither -1 nor a position of its prompt."""
         raw = body.logprob_start_len
         if isinstance(raw, list):
-            if not batch or len(raw) != len(prompts):
-                raise InvalidRequestError("logprob_start_len list must have one entry per prompt", "logprob_start_len")
+            if len(raw) != len(prompts):  # a one-entry list for one prompt is its value (new-user try: was a 400)
+                raise InvalidRequestError(
+                    f"logprob_start_len list must have one entry per prompt ({len(prompts)}), got {len(raw)}",
+                    "logprob_start_len",
+                )
             starts, params = raw, [f"logprob_start_len[{i}]" for i in range(len(raw))]
         else:
             starts, params = [raw] * len(prompts), ["logprob_start_len"] * len(prompts)
