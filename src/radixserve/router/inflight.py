@@ -1,6 +1,6 @@
 """The requests in flight through this router: drained, ended early on shutdown, moved off an engine that stalls.
 
-Each relay registers its task for its whole life (``wait_idle`` waits for them to end, ``begin_shutdown`` cancels
+Each relay registers its task for its whole life (a drain waits on ``idle`` for them to end, ``begin_shutdown`` cancels
 them all) and, while it waits on an engine, itself under that engine's URL (``abandon_stalled`` gives those up).
 ``start_draining`` marks the router as draining (docs/contracts.md, "Graceful drain"): the proxy then admits no new
 request. Everything runs on the event loop.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any, Protocol
+
+from radixserve.contracts.drain import IdleSignal
 
 logger = logging.getLogger("radixserve.router.proxy")
 
@@ -33,7 +35,7 @@ class InFlight:
         self.shutting_down = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_worker: dict[str, set[Abandonable]] = {}
-        self._idle: asyncio.Event | None = None  # set while no task is registered (created by wait_idle)
+        self.idle = IdleSignal()  # wakes a drain (``contracts.drain``) once no task is registered
 
     def __len__(self) -> int:
         """Requests in flight (relays registered)."""
@@ -42,30 +44,17 @@ class InFlight:
     def add(self, task: asyncio.Task[Any]) -> None:
         """``task`` serves a request until ``discard``."""
         self._tasks.add(task)
-        if self._idle is not None:
-            self._idle.clear()
+        self.idle.busy()
 
     def discard(self, task: asyncio.Task[Any]) -> None:
         """``task`` has ended (or no longer counts in flight)."""
         self._tasks.discard(task)
-        if not self._tasks and self._idle is not None:
-            self._idle.set()
+        if not self._tasks:
+            self.idle.idle()
 
     def start_draining(self) -> None:
         """Admit no new request from now on (the proxy answers them 503); those in flight go on."""
         self.draining = True
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no request is in flight, at most ``timeout_s`` seconds; True when none is left."""
-        if not self._tasks:
-            return True
-        if self._idle is None:
-            self._idle = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
-        except TimeoutError:
-            return not self._tasks
-        return True
 
     def watch(self, relay: Abandonable, worker_url: str) -> None:
         """``relay`` now waits on ``worker_url`` (until ``unwatch``)."""

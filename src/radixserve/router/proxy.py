@@ -21,6 +21,7 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from radixserve.contracts import constants
+from radixserve.contracts.drain import drain_in_flight
 from radixserve.contracts.edge import BODY_SCOPE_KEY, REQUEST_ID_SCOPE_KEY
 from radixserve.contracts.protocol import random_id
 from radixserve.router.config import RouterArgs
@@ -97,25 +98,9 @@ class Proxy:
         seconds (``--shutdown-timeout``); then those still in flight end as on an immediate shutdown
         (``begin_shutdown``: a 503, or an SSE error event and ``[DONE]``). Cancelled (a second Ctrl-C), it ends
         them at once the same way. Returns when no request is left in flight or they have been told to end."""
-        t0 = time.monotonic()
         self.inflight.start_draining()
-        n = len(self.inflight)
-        logger.info(
-            "draining: %d request(s) in flight may finish within %g s (--shutdown-timeout); new requests get 503",
-            n,
-            timeout_s,
-        )
-        done = False
-        try:
-            done = await self.inflight.wait_idle(timeout_s)
-        finally:
-            left = len(self.inflight)
-            if done or not left:
-                logger.info("drained: every request finished (%.1f s)", time.monotonic() - t0)
-            else:
-                why = "stopped at once" if time.monotonic() - t0 < timeout_s else f"{timeout_s:g} s passed"
-                logger.warning("drain: %s; ending the %d request(s) still in flight", why, left)
-            self.begin_shutdown()
+        inflight = self.inflight
+        await drain_in_flight(inflight.__len__, inflight.idle, timeout_s, self.begin_shutdown, logger, "ending")
 
     def abandon_stalled(self, w: WorkerState, why: str) -> None:
         """``w`` stalled (``WorkerPool.on_stall``): its requests give it up (``InFlight.abandon_stalled``)."""

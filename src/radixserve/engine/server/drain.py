@@ -4,21 +4,20 @@
 generation requests admitted and not yet answered. ``DrainMiddleware`` (pure ASGI, so streams pass through) counts
 each ``POST`` of ``GENERATION_PATHS`` from admission until its response has been sent, and answers the new ones
 with ``Drain.refusal()`` once draining. ``Drain.run`` waits for those in flight, at most ``--shutdown-timeout``
-seconds, then aborts the rest (the engine's shutdown: a 503, or an SSE error event and ``[DONE]``). Everything
-runs on the server's event loop.
+seconds, then aborts the rest (the engine's shutdown: a 503, or an SSE error event and ``[DONE]``); the wait is
+``contracts/drain.py``'s, shared with the router. Everything runs on the server's event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Callable
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.contracts import constants
+from radixserve.contracts.drain import IdleSignal, drain_in_flight
 from radixserve.contracts.edge import error_response
 
 logger = logging.getLogger("radixserve.engine.server")
@@ -36,7 +35,7 @@ class Drain:
     def __init__(self) -> None:
         self.draining = False
         self._inflight = 0
-        self._idle: asyncio.Event | None = None  # set while nothing is in flight (created by wait_idle)
+        self._idle = IdleSignal()
 
     def __len__(self) -> int:
         """Generation requests admitted and not yet answered."""
@@ -50,26 +49,13 @@ class Drain:
     def enter(self) -> None:
         """A generation request was admitted (until ``leave``)."""
         self._inflight += 1
-        if self._idle is not None:
-            self._idle.clear()
+        self._idle.busy()
 
     def leave(self) -> None:
         """A request counted by ``enter`` has been answered (or its client left)."""
         self._inflight -= 1
-        if not self._inflight and self._idle is not None:
-            self._idle.set()
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no request is in flight, at most ``timeout_s`` seconds; True when none is left."""
         if not self._inflight:
-            return True
-        if self._idle is None:
-            self._idle = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
-        except TimeoutError:
-            return not self._inflight
-        return True
+            self._idle.idle()
 
     async def run(self, timeout_s: float, abort: Callable[[], None]) -> None:
         """Drain (once, on the event loop): from now on ``/health`` and new generation requests get ``refusal()``;
@@ -77,24 +63,8 @@ class Drain:
         then ``abort()`` (must not block: the engine's shutdown in a thread) ends what is left with the error it
         gets today. Cancelled (a second signal), it calls ``abort()`` at once. Returns when no request is left in
         flight or ``abort()`` has been called; ``abort()`` is called in every case (it stops the engine)."""
-        t0 = time.monotonic()
         self.draining = True
-        logger.info(
-            "draining: %d request(s) in flight may finish within %g s (--shutdown-timeout); new requests get 503",
-            self._inflight,
-            timeout_s,
-        )
-        done = False
-        try:
-            done = await self.wait_idle(timeout_s)
-        finally:
-            left = self._inflight
-            if done or not left:
-                logger.info("drained: every request finished (%.1f s)", time.monotonic() - t0)
-            else:
-                why = "stopped at once" if time.monotonic() - t0 < timeout_s else f"{timeout_s:g} s passed"
-                logger.warning("drain: %s; aborting the %d request(s) still in flight", why, left)
-            abort()
+        await drain_in_flight(self.__len__, self._idle, timeout_s, abort, logger)
 
 
 class DrainMiddleware:
