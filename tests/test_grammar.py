@@ -930,8 +930,8 @@ def test_unsupported_schema_is_an_http_400_naming_keyword_and_path(url):
 def test_a_grammar_that_matches_no_string_is_a_400_at_compile():
     # Regression (new-user try): the regex [^\s\S] compiled, then its first decode step failed with "the grammar
     # rejected token 0": a 500 on the OpenAI endpoints, a 200 aborted with status 500 on /generate. The empty regex
-    # (only the empty string: eos allowed) still compiles. Only a dead start is found here: "a[^\s\S]" still fails
-    # after its "a", at run time.
+    # (only the empty string: eos allowed) still compiles. Only a dead start is found here: "a[^\s\S]" is refused
+    # after its "a", at run time (test_a_grammar_that_dies_after_its_start_is_a_400_not_a_500).
     backend = _backend()
     try:
         for text in [r"[^\s\S]", r"([^\s\S])+|[^\s\S]x"]:
@@ -941,3 +941,27 @@ def test_a_grammar_that_matches_no_string_is_a_400_at_compile():
         assert backend.get_sync("regex", "").kind == "regex"
     finally:
         backend.shutdown()
+
+
+@requires_model
+@pytest.mark.slow
+def test_a_grammar_that_dies_after_its_start_is_a_400_not_a_500(engine, url):
+    # Regression (new-user try): the regex a[^\s\S] compiles and allows "a" first, then no token at all: the sampler
+    # picked a masked-out token and the request ended "the grammar rejected token 0", a 500. Now it is the client's
+    # constraint: an abort with status 400, the engine idle and serving afterwards.
+    before = counter(engine, "grammar_aborts_total")
+    out = run(engine, chat_ids(engine, "Say a."), regex=r"a[^\s\S]", max_new_tokens=8)[0]
+    finish = out["finish"]
+    assert finish["type"] == "abort" and finish["status_code"] == 400, out
+    assert "no string it matches starts with the 1 token(s) generated so far" in finish["message"]
+    assert counter(engine, "grammar_aborts_total") == before + 1
+    body = {"model": engine.served_model_name, "prompt": "Say a.", "max_tokens": 8, "regex": r"a[^\s\S]"}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == 400 and "invalid constraint" in r.json()["error"]["message"]
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        lines = [ln for ln in s.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][len("data: ") :])["error"]["code"] == 400
+    assert_idle(engine)
+    ok = httpx.post(url + "/v1/completions", json={**body, "regex": "ab?"}, timeout=60)
+    assert ok.status_code == 200 and re.fullmatch("ab?", ok.json()["choices"][0]["text"]), ok.text

@@ -40,13 +40,18 @@ class OutputProcessor:
         m = self.metrics
         finished: list[Req] = []
         generated = 0
-        for req, tok, lp, rejected, grammar_done in zip(
-            reqs, sampled.token_ids, sampled.logprobs, sampled.rejected, sampled.grammar_done
+        for req, tok, lp, rejected, grammar_done, dead_end in zip(
+            reqs, sampled.token_ids, sampled.logprobs, sampled.rejected, sampled.grammar_done, sampled.dead_end
         ):
             if rejected:
                 if m is not None:
                     m.grammar_aborts_total.inc()
-                reason = FinishReason.abort(f"constrained decoding failed: the grammar rejected token {tok}", 500)
+                if dead_end:  # the client's constraint, not our bug: a 400 (regression: the regex a[^\s\S] was a 500)
+                    n = len(req.output_ids)
+                    why = f"invalid constraint: no string it matches starts with the {n} token(s) generated so far"
+                    reason = FinishReason.abort(why, 400)
+                else:
+                    reason = FinishReason.abort(f"constrained decoding failed: the grammar rejected token {tok}", 500)
                 self.finish(req, reason, outputs)
                 finished.append(req)
                 continue

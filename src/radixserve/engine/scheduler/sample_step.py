@@ -27,15 +27,19 @@ class SampledTokens:
     Attributes:
         token_ids: the chosen token of each row.
         logprobs: per row a ``TokenLogprob``, or None where the request did not ask for logprobs.
-        rejected: per row, True when the row's grammar matcher rejected its token (a bug, or a row with no allowed
-            token): the sample must fail rather than go on unconstrained.
+        rejected: per row, True when the row's grammar matcher rejected its token: the sample must fail rather
+            than go on unconstrained.
         grammar_done: per row, True when the grammar accepted the token and terminated.
+        dead_end: per row, True when the grammar allowed no token at all, not even a stop token (the client's
+            constraint matches no string that starts with the output so far, e.g. the regex ``a[^\\s\\S]``); such
+            a row is also ``rejected``. A rejected row that is not a dead end is our bug.
     """
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     rejected: list[bool]
     grammar_done: list[bool]
+    dead_end: list[bool]
 
 
 class BatchSampler:
@@ -67,7 +71,7 @@ class BatchSampler:
             logits_processor=self._grammar_mask(reqs),
         )
         n = len(reqs)
-        rejected, done = [False] * n, [False] * n
+        rejected, done, dead_end = [False] * n, [False] * n, [False] * n
         t0 = time.perf_counter()
         constrained = False
         for i, req in enumerate(reqs):
@@ -78,11 +82,15 @@ class BatchSampler:
             if req.matcher.accept_token(tok):
                 done[i] = req.matcher.is_terminated()
             else:
-                logger.error("grammar rejected token %d of %s", tok, req)
                 rejected[i] = True
+                # The mask filled for this step is still in place: an all-zero row left nothing to choose from.
+                assert self._token_bitmask is not None
+                dead_end[i] = not bool(self._token_bitmask[i].any())
+                if not dead_end[i]:
+                    logger.error("grammar rejected token %d of %s", tok, req)
         if constrained:
             self.grammar_s += time.perf_counter() - t0
-        return SampledTokens(out.next_token_ids, out.logprobs, rejected, done)
+        return SampledTokens(out.next_token_ids, out.logprobs, rejected, done, dead_end)
 
     def _grammar_mask(self, reqs: Sequence[Req]) -> Callable[[torch.Tensor], None] | None:
         """Fill the token bitmask of the constrained rows of ``reqs``; returns the logits processor applying it."""
