@@ -2,9 +2,11 @@
 
 Shapes follow the official OpenAI API (chat completions, legacy completions, models, error body) and SGLang's native
 ``/generate`` (docs/contracts.md, "Native POST /generate"); the models mirror SGLang's
-``srt/entrypoints/openai/protocol.py``. Requests accept unknown keys (clients send ``user``, ``metadata`` ...) and
-ignore them; every key that would change the output and that we cannot honour is declared here so the server can
-refuse it with a 400 instead of silently ignoring it.
+``srt/entrypoints/openai/protocol.py``. Every parameter of OpenAI's reference for the two OpenAI endpoints is
+declared here, those we cannot honour too, so the engine can refuse them with a 400 naming them rather than ignore
+them (docs/openai-compat.md; the policy is ``engine/server/openai_params.py``). The models themselves accept unknown
+keys (``model_extra``): the engine refuses an unknown top-level key of an OpenAI request with a 400 naming it, while
+the router and ``/prefix_blocks`` read the same bodies without judging them.
 
 Request fields are validated strictly, as OpenAI checks types: a boolean is ``true`` / ``false`` only (not ``"yes"``
 nor ``1``), an integer a JSON integer (not ``"12"``, ``12.0`` nor ``true``), a number an integer or a float (not
@@ -68,10 +70,12 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the request's usage."""
+    """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the request's usage;
+    ``include_obfuscation`` (OpenAI's padding of stream events against size side channels) is accepted and ignored."""
 
     model_config = _REQUEST_CONFIG
     include_usage: bool = False
+    include_obfuscation: bool | None = None
 
 
 class _SamplingExtras(_Request):
@@ -89,6 +93,12 @@ class _SamplingExtras(_Request):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: Any = None
+    # vLLM's prefix-cache salt: the router keys on it; the engine's cache ignores it (docs/openai-compat.md).
+    cache_salt: str | None = None
+    # OpenAI fields of both endpoints. ``user`` has no effect on the output (accepted and ignored).
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -132,21 +142,34 @@ class ChatCompletionRequest(_SamplingExtras):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # OpenAI's deprecated predecessors of tools / tool_choice: declared so the server refuses them (400) instead of
-    # ignoring them.
+    # OpenAI fields with no effect on the output, accepted and ignored (docs/openai-compat.md).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # true (store the completion) is refused
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    # Declared so the server refuses them (400) instead of ignoring them: OpenAI's deprecated predecessors of tools /
+    # tool_choice, and what a text-only server without reasoning controls cannot do (``modalities`` ``["text"]`` is
+    # fine).
     functions: Any = None
     function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
 
 
 class ChatLogprobTop(BaseModel):
@@ -328,11 +351,8 @@ class CompletionRequest(_SamplingExtras):
     logprobs: int | None = None
     echo: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
     response_format: dict[str, Any] | None = None
 
 

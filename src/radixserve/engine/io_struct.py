@@ -7,6 +7,7 @@ it and pushes ``ReqOutput`` deltas back; the server turns those into native or O
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,16 @@ DEFAULT_MAX_NEW_TOKENS = 128
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Constraint fields of SamplingParams (at most one per request); see engine/grammar.
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+# OpenAI's logit_bias range; a bias at either bound is a ban / an exclusive choice (OpenAI's reference says -100 and
+# 100 "should result in a ban or exclusive selection"), applied as LOGIT_BIAS_HARD, which outweighs any logit
+# difference a model produces yet stays finite (a grammar's -inf mask still wins, and a banned token the grammar
+# leaves alone is still chosen rather than nothing).
+LOGIT_BIAS_BOUND = 100.0
+LOGIT_BIAS_HARD = 1e4
+MAX_LOGIT_BIAS_ENTRIES = 1024  # per request: the sampler touches each entry once per step
+# Where SamplingParams keeps its parsed logit_bias: an instance attribute, not a dataclass field, so it is neither a
+# parameter (from_dict, the docs) nor compared; dataclasses.replace drops it and bias_entries parses again.
+_BIAS_CACHE = "_bias_entries"
 
 
 class InvalidRequestError(ValueError):
@@ -52,6 +63,9 @@ class SamplingParams:
     ebnf: str | None = None
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: token id (decimal text, as JSON object keys are) -> bias in [-100, 100] added to that
+    # token's logit before sampling or greedy choice; the bounds ban / force (LOGIT_BIAS_HARD). None or {}: none.
+    logit_bias: dict[str, float] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -129,6 +143,16 @@ class SamplingParams:
         if len(kinds) > 1:
             raise InvalidRequestError(f"give at most one of json_schema, regex, ebnf; got {', '.join(kinds)}", kinds[1])
         # The grammar itself is compiled (and refused with a 400 when invalid) by the engine's grammar backend.
+        if self.logit_bias is not None:
+            self.__dict__[_BIAS_CACHE] = parse_logit_bias(self.logit_bias, vocab_size)
+
+    def bias_entries(self) -> tuple[list[int], list[float]]:
+        """``logit_bias`` as ``(token ids, additive biases)`` (the bounds as ``±LOGIT_BIAS_HARD``); empty lists
+        without one. Parsed once per object; the values are assumed validated (``validate``)."""
+        cached: tuple[list[int], list[float]] | None = self.__dict__.get(_BIAS_CACHE)
+        if cached is None:
+            cached = self.__dict__[_BIAS_CACHE] = parse_logit_bias(self.logit_bias or {}, None)
+        return cached
 
     def grammar_key(self) -> tuple[str, str] | None:
         """``(kind, text)`` of the request's constraint (``json_schema``, ``regex`` or ``ebnf``), or None."""
@@ -137,6 +161,52 @@ class SamplingParams:
             if v is not None:
                 return k, v
         return None
+
+
+def parse_logit_bias(raw: Any, vocab_size: int | None) -> tuple[list[int], list[float]]:
+    """OpenAI's ``logit_bias`` ``{"token id": bias}`` → ``(token ids, additive biases)``, in the object's order.
+
+    A key is a token id in canonical decimal (``"42"``, not ``"042"``, ``"+42"`` nor ``" 42"``: two spellings of one
+    token would be ambiguous) below ``vocab_size`` (None: unchecked); a bias a number in [-100, 100], and the bounds
+    become ``±LOGIT_BIAS_HARD`` (a ban / an exclusive choice). At most ``MAX_LOGIT_BIAS_ENTRIES`` entries.
+    Raises ``InvalidRequestError`` (400, ``param`` ``logit_bias``) naming the bad key or value.
+    """
+    if not isinstance(raw, dict):
+        raise InvalidRequestError(
+            f'logit_bias must be an object {{"token id": bias}}, got {type(raw).__name__}', "logit_bias"
+        )
+    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(raw)}", "logit_bias"
+        )
+    ids: list[int] = []
+    biases: list[float] = []
+    for key, value in raw.items():
+        # Length first: int() refuses text of over 4300 digits with a ValueError (a 500 if it got that far).
+        if not (
+            isinstance(key, str) and 0 < len(key) <= 20 and key.isascii() and key.isdigit() and str(int(key)) == key
+        ):
+            raise InvalidRequestError(
+                f'logit_bias keys must be token ids in decimal (such as "42"), got {key!r}', "logit_bias"
+            )
+        tid = int(key)
+        if vocab_size is not None and tid >= vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias names token {tid}, outside the vocabulary [0, {vocab_size})", "logit_bias"
+            )
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or not -LOGIT_BIAS_BOUND <= value <= LOGIT_BIAS_BOUND
+        ):
+            raise InvalidRequestError(
+                f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}", "logit_bias"
+            )
+        ids.append(tid)
+        bias = float(value)
+        biases.append(math.copysign(LOGIT_BIAS_HARD, bias) if abs(bias) == LOGIT_BIAS_BOUND else bias)
+    return ids, biases
 
 
 @dataclass

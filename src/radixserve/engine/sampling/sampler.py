@@ -7,6 +7,9 @@ Semantics follow vLLM / SGLang / the OpenAI API:
   penalty when positive and multiplied when negative; "seen" covers prompt + output;
 - ``presence_penalty`` subtracts the penalty once per distinct token seen in the output, ``frequency_penalty``
   subtracts ``count * penalty`` (OpenAI's definition);
+- ``logit_bias`` (OpenAI's) is added to the logits after the penalties, before greedy choice or temperature; its
+  bounds, -100 and 100, are ``±LOGIT_BIAS_HARD`` (io_struct): a ban and an exclusive choice, which a grammar's
+  ``-inf`` mask still overrides. Logprobs stay those of the raw logits (as vLLM's default ``raw_logprobs``);
 - temperature below ``GREEDY_TEMPERATURE`` is greedy argmax (after penalties); otherwise the logits are divided by the
   temperature, then top-k, top-p (on the renormalised distribution, as vLLM's ``apply_top_k_top_p``) and min-p
   (relative to the max probability, as SGLang's ``top_k_top_p_min_p_sampling_from_probs_torch``) filter them.
@@ -105,6 +108,7 @@ def sample(
     if logits_processor is not None:
         logits_processor(logits)
     apply_penalties(logits, params, output_ids, prompt_ids)
+    apply_logit_bias(logits, params)
 
     greedy_rows = [i for i, p in enumerate(params) if p.temperature < GREEDY_TEMPERATURE or p.top_k == 1]
     sample_rows = [i for i, p in enumerate(params) if not (p.temperature < GREEDY_TEMPERATURE or p.top_k == 1)]
@@ -179,6 +183,21 @@ def apply_penalties(
         freq = _per_token([params[i].frequency_penalty for i in freq_rows], outs, logits.dtype, device)
         # accumulate=True sums duplicates: each occurrence subtracts the penalty once -> count * penalty.
         logits.index_put_((row_idx, tok_idx), -freq, accumulate=True)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Add each row's ``logit_bias`` to ``logits`` ``[batch, vocab]`` (float) in place.
+
+    Sparse, like the penalties: one ``index_put_`` over the biased rows' entries only, and nothing at all (not even a
+    tensor) when no row has a bias. Token ids are assumed validated below ``vocab`` (``SamplingParams.validate``).
+    """
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return
+    entries = [params[i].bias_entries() for i in rows]
+    row_idx, tok_idx = _flat_index(rows, [ids for ids, _ in entries], logits.device)
+    bias = torch.tensor([b for _, biases in entries for b in biases], dtype=logits.dtype, device=logits.device)
+    logits.index_put_((row_idx, tok_idx), bias, accumulate=True)
 
 
 # top-p first looks at this many best tokens; only rows whose nucleus is wider fall back to a full sort (a full sort of

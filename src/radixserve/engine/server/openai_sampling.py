@@ -1,5 +1,5 @@
-"""OpenAI request fields → the engine's ``SamplingParams``: checks both OpenAI endpoints share, the defaults, and
-the one output constraint.
+"""OpenAI request fields → the engine's ``SamplingParams``: the defaults, ``logit_bias`` and the one output
+constraint (which parameters are honoured at all is ``openai_params.py``).
 
 Constraints: ``response_format`` ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` becomes the
 engine's ``json_schema`` (the schema as JSON text), ``{"type": "json_object"}`` the schema ``{"type": "object"}``,
@@ -13,23 +13,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixserve.contracts.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.engine.io_struct import InvalidRequestError, SamplingParams
 from radixserve.engine.server.context import ServerContext
-
-OpenAIRequest = ChatCompletionRequest | CompletionRequest
+from radixserve.engine.server.openai_params import OpenAIRequest
 
 JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})  # response_format {"type": "json_object"}
-
-
-def check_common(ctx: ServerContext, req: OpenAIRequest) -> None:
-    """Checks of both endpoints: the model (404), ``logit_bias`` (unsupported), ``stream_options`` without a stream
-    (400 each, naming the field)."""
-    ctx.check_model(req.model)
-    if req.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported", "logit_bias")
-    if req.stream_options is not None and not req.stream:
-        raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
 
 
 def response_format_schema(fmt: Any) -> str | None:
@@ -111,7 +99,8 @@ def sampling_params(
     """SamplingParams of an OpenAI request: its fields, else the engine's ``--preferred-sampling-params``, else
     OpenAI's defaults. ``max_new_tokens`` is None: set once the prompt length is known (``resolve_max_tokens``).
 
-    Raises ``InvalidRequestError`` (400, naming the field) for a value out of range or more than one constraint."""
+    Raises ``InvalidRequestError`` (400, naming the field) for a value out of range (``logit_bias``: a key that is
+    not a token id, a bias outside [-100, 100]) or more than one constraint."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     defaults = ctx.engine.sampling_defaults
 
@@ -135,6 +124,7 @@ def sampling_params(
         **output_constraint(req, forced_call),
         no_stop_trim=req.no_stop_trim,
         skip_special_tokens=req.skip_special_tokens,
+        logit_bias=req.logit_bias or None,
     )
     sp.validate(ctx.engine.vocab_size)
     return sp

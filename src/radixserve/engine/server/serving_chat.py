@@ -14,7 +14,6 @@ from typing import Any
 from starlette.requests import Request
 
 from radixserve.contracts.protocol import (
-    MAX_TOP_LOGPROBS,
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -28,7 +27,7 @@ from radixserve.contracts.protocol import (
     Usage,
     now,
 )
-from radixserve.engine.io_struct import GenerateRequest, InvalidRequestError, ReqOutput
+from radixserve.engine.io_struct import GenerateRequest, ReqOutput
 from radixserve.engine.server.chat import RenderOptions, render_prompt
 from radixserve.engine.server.common import (
     chat_id,
@@ -39,7 +38,8 @@ from radixserve.engine.server.common import (
 )
 from radixserve.engine.server.generation import OutputGroup
 from radixserve.engine.server.logprob_format import chat_logprobs
-from radixserve.engine.server.openai_sampling import check_common, sampling_params
+from radixserve.engine.server.openai_params import check_chat
+from radixserve.engine.server.openai_sampling import sampling_params
 from radixserve.engine.server.output_groups import ToolGrammarGroup, openai_group
 from radixserve.engine.server.reasoning import make_reasoning_stream
 from radixserve.engine.server.serving_base import Job, SampleState, Serving
@@ -53,6 +53,7 @@ class ChatChoice(SampleState):
     (``delta``, the last one including what ``finish`` released)."""
 
     parser: ChatOutputParser
+    one_call: bool = False  # parallel_tool_calls false: only the first call of a reply is returned
     got: ChoiceDelta = field(default_factory=ChoiceDelta)
     delta: ChoiceDelta = field(default_factory=ChoiceDelta)
     finished: bool = False
@@ -75,6 +76,8 @@ class ChatChoice(SampleState):
         return f
 
     def _take(self, d: ChoiceDelta) -> None:
+        if d.calls and self.one_call:
+            d.calls = d.calls[:1]
         self.got.reasoning += d.reasoning
         self.got.content += d.content
         if d.calls:
@@ -123,23 +126,8 @@ class ChatServing(Serving[ChatCompletionRequest, ChatJob]):
     async def build(self, request: Request, body: ChatCompletionRequest) -> ChatJob:
         ctx, req = self.ctx, body
         args = ctx.engine.args
-        check_common(ctx, req)
-        for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
-            # OpenAI's deprecated fields answer with message.function_call / finish_reason "function_call", a shape
-            # this server does not produce: refused rather than ignored (or answered in the tool_calls shape, which
-            # a legacy client would not read).
-            if getattr(req, legacy) is not None:
-                raise InvalidRequestError(f"{legacy} (deprecated) is not supported; use {current} instead", legacy)
+        k = check_chat(ctx, req)
         functions, choice, opts = self.render_options(req)
-        k = 0
-        if req.top_logprobs is not None:
-            if not req.logprobs:
-                raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
-            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(
-                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}", "top_logprobs"
-                )
-            k = req.top_logprobs
         sp = sampling_params(ctx, req, call_schema(functions, choice) if choice.forced else None)
         if choice.forced:
             mode = "forced"
@@ -155,7 +143,10 @@ class ChatServing(Serving[ChatCompletionRequest, ChatJob]):
         )
         names = {f["name"] for f in functions}
         choices = [
-            ChatChoice(parser=ChatOutputParser(mode, names, make_reasoning_stream(args.reasoning_parser)))
+            ChatChoice(
+                parser=ChatOutputParser(mode, names, make_reasoning_stream(args.reasoning_parser)),
+                one_call=req.parallel_tool_calls is False,
+            )
             for _ in range(req.n)
         ]
         rids = ctx.rids.claim(request_id_of(request.scope), 1)

@@ -20,7 +20,6 @@ from starlette.requests import Request
 
 from radixserve.contracts.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    MAX_TOP_LOGPROBS,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -37,7 +36,8 @@ from radixserve.engine.server.common import (
 )
 from radixserve.engine.server.generation import OutputGroup
 from radixserve.engine.server.logprob_format import legacy_logprobs
-from radixserve.engine.server.openai_sampling import check_common, sampling_params
+from radixserve.engine.server.openai_params import check_completion
+from radixserve.engine.server.openai_sampling import sampling_params
 from radixserve.engine.server.output_groups import openai_group
 from radixserve.engine.server.serving_base import Job, SampleState, Serving
 from radixserve.engine.server.token_text import TextOffsets
@@ -52,11 +52,13 @@ class TextChoice(SampleState):
 
 @dataclass(kw_only=True)
 class CompletionJob(Job[TextChoice]):
-    """A completions request: its prompts ``[(text or None, token ids)]``, ``n``, ``echo`` (the prompt texts to
+    """A completions request: its prompts ``[(text or None, token ids)]``, ``n``, ``samples`` per prompt (``best_of``
+    candidates, else ``n``; results are prompt-major, ``samples`` per prompt), ``echo`` (the prompt texts to
     prepend), legacy ``logprobs`` (``k`` alternatives; None: none), usage options and response id."""
 
     prompts: list[tuple[str | None, list[int]]]
     n: int
+    samples: int
     echo_texts: list[str] | None
     k: int | None
     include_usage: bool
@@ -92,17 +94,12 @@ class CompletionServing(Serving[CompletionRequest, CompletionJob]):
 
     async def build(self, request: Request, body: CompletionRequest) -> CompletionJob:
         ctx, req = self.ctx, body
-        check_common(ctx, req)
-        if req.suffix:
-            raise InvalidRequestError("suffix is not supported", "suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise InvalidRequestError("best_of other than n is not supported", "best_of")
+        samples = check_completion(ctx, req)
         k = req.logprobs
-        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "logprobs")
         # echo + logprobs: the prompt tokens' logprobs too (the engine scores the prompt from position 0).
         prompt_logprobs = req.echo and k is not None
         sp = sampling_params(ctx, req)
+        sp.n = samples
         prompts = await asyncio.to_thread(self._prompts, req.prompt)  # off the event loop: may take seconds
         # Absent or null → OpenAI's 16, clamped to the room left; an explicit value is checked strictly.
         requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
@@ -127,7 +124,7 @@ class CompletionServing(Serving[CompletionRequest, CompletionJob]):
                 rid=rid,
                 input_ids=ids,
                 sampling_params=p,
-                return_logprob=k is not None,
+                return_logprob=k is not None or samples > req.n,  # best_of ranks by logprob
                 top_logprobs_num=k or 0,
                 logprob_start_len=0 if prompt_logprobs else None,
                 stream=req.stream,
@@ -136,7 +133,7 @@ class CompletionServing(Serving[CompletionRequest, CompletionJob]):
             for rid, (_, ids), p in zip(rids, prompts, sps)
         ]
         choices = [
-            TextChoice(offsets=TextOffsets(ctx.texts, sp.skip_special_tokens)) for _ in range(len(prompts) * req.n)
+            TextChoice(offsets=TextOffsets(ctx.texts, sp.skip_special_tokens)) for _ in range(len(prompts) * samples)
         ]
         return CompletionJob(
             reqs=greqs,
@@ -145,6 +142,7 @@ class CompletionServing(Serving[CompletionRequest, CompletionJob]):
             stream=req.stream,
             prompts=prompts,
             n=req.n,
+            samples=samples,
             echo_texts=echo_texts,
             k=k,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -157,35 +155,54 @@ class CompletionServing(Serving[CompletionRequest, CompletionJob]):
     # ------------------------------------------------------------------------------------------------ results
 
     def _usage(self, job: CompletionJob) -> Usage:
-        n, states = job.n, job.results
+        n, states = job.samples, job.results  # every best_of candidate was generated: its tokens count (as OpenAI's)
         cached = sum(max(states[p * n + j].cached_tokens for j in range(n)) for p in range(len(job.prompts)))
         prompt_tokens = sum(len(ids) for _, ids in job.prompts)
         return Usage.of(prompt_tokens, sum(s.completion_tokens for s in states), cached)
 
-    def _echo(self, job: CompletionJob, c: int) -> str:
-        return job.echo_texts[c // job.n] if job.echo_texts is not None else ""
+    def _echo(self, job: CompletionJob, r: int) -> str:
+        return job.echo_texts[r // job.samples] if job.echo_texts is not None else ""
 
-    def _legacy(self, job: CompletionJob, c: int, lps: list[TokenLogprob], echo: bool = False) -> Any:
-        """Legacy logprobs of ``lps``, tokens of choice ``c`` (after its echoed prompt's with ``echo``); None unless
+    def _legacy(self, job: CompletionJob, r: int, lps: list[TokenLogprob], echo: bool = False) -> Any:
+        """Legacy logprobs of ``lps``, tokens of result ``r`` (after its echoed prompt's with ``echo``); None unless
         the request asked for logprobs."""
-        st = job.results[c]
+        st = job.results[r]
         if job.k is None:
             return None
         if not echo or job.echo_texts is None:
             return legacy_logprobs(self.ctx.texts, lps, job.k, st.offsets)
-        prompt_ids = job.prompts[c // job.n][1]
+        prompt_ids = job.prompts[r // job.samples][1]
         return legacy_logprobs(self.ctx.texts, lps, job.k, st.offsets, prompt_ids, st.input_logprobs)
 
+    @staticmethod
+    def _best(job: CompletionJob) -> list[int]:
+        """The results to answer, choice order: with ``best_of`` each prompt's ``n`` candidates of highest mean
+        token logprob (OpenAI's "highest log probability per token"; ties: the earlier sample), best first."""
+        if job.samples == job.n:
+            return list(range(len(job.results)))
+
+        def score(r: int) -> float:
+            lps = job.results[r].logprobs
+            return sum(lp.logprob for lp in lps) / len(lps) if lps else 0.0
+
+        out: list[int] = []
+        for p in range(len(job.prompts)):
+            candidates = range(p * job.samples, (p + 1) * job.samples)
+            out.extend(sorted(candidates, key=lambda r: (-score(r), r))[: job.n])
+        return out
+
     def final(self, job: CompletionJob) -> Any:
-        choices = [
-            CompletionChoice(
-                index=c,
-                text=self._echo(job, c) + st.text,
-                logprobs=self._legacy(job, c, st.logprobs, echo=True),
-                finish_reason=openai_finish_reason(st.finish_reason),
+        choices = []
+        for c, r in enumerate(self._best(job)):
+            st = job.results[r]
+            choices.append(
+                CompletionChoice(
+                    index=c,
+                    text=self._echo(job, r) + st.text,
+                    logprobs=self._legacy(job, r, st.logprobs, echo=True),
+                    finish_reason=openai_finish_reason(st.finish_reason),
+                )
             )
-            for c, st in enumerate(job.results)
-        ]
         resp = CompletionResponse(id=job.cid, model=self.ctx.model_name, choices=choices, usage=self._usage(job))
         return resp.model_dump()
 
