@@ -2,7 +2,8 @@
 
 ``Relay.run`` tries the candidates in rank order, moving on (reason ``retry``) after a connect error, a connection
 dropped before any answer, a 503 before the first byte, a 404 from an engine that stopped serving the model, or a
-stall (``abandon``), at most ``max_retries`` times. Every other answer, 4xx included, is relayed unchanged: the body
+stall (``abandon``), at most ``max_retries`` times; past the ranked candidates, to workers that became routable
+while the request waited. Every other answer, 4xx included, is relayed unchanged: the body
 goes through chunk by chunk as it arrives (never buffered), with ``x-radixserve-worker`` and
 ``x-radixserve-route-reason`` added (and ``Retry-After`` on a 429 or 503 without one). SSE events are split on the
 blank line and each is forwarded as soon as it is complete. A client that leaves closes the upstream response at
@@ -90,6 +91,7 @@ class Relay:
         self.left = False  # the client disconnected
         self.abandoned: str | None = None  # why the worker was given up on (a stall), set by ``abandon``
         self._chunks: AsyncIterator[bytes] | None = None  # the stream's body iterator once its first chunk is read
+        self._pending: list[RouteDecision] = []  # candidates not tried yet, best first (``_next_candidate``)
 
     def abandon(self, reason: str) -> None:
         """The worker this request waits on stalled (``InFlight.abandon_stalled``): cancel the wait there; the
@@ -179,30 +181,47 @@ class Relay:
         await self.ctx.counter.error(send, status, message, self.model, worker=worker)
         self.counted = True
 
+    def _next_candidate(self, by_url: dict[str, WorkerState], tried: set[str]) -> RouteDecision | None:
+        """The next worker to try: the ranked ones in order (once one was tried, skipping those ejected or gone
+        since), then workers routable now that were not when the request was ranked (readmitted or restarted while
+        it waited: regression, a request ranked while one of two engines was down got a 503 when the other stalled,
+        with that one healthy again), ranked by the policy. ``by_url`` gains those; None when none is left."""
+        r = self.r
+        while True:
+            while self._pending:
+                c = self._pending.pop(0)
+                w = by_url[c.worker]
+                if c.worker in tried or (tried and (w.removed or not w.breaker.routable)):
+                    continue  # ejected or gone since the request was ranked: not worth an attempt
+                return c
+            fresh = [w for w in self.ctx.pool.routable(self.model) if w.url not in by_url]
+            if not fresh:
+                return None
+            by_url.update((w.url, w) for w in fresh)
+            self._pending = self.ctx.policy.rank(r.key, [w.load for w in fresh], r.prompt_tokens + r.request.out_tokens)
+
     async def _dispatch_and_relay(self, send: Send) -> None:
         ctx, r = self.ctx, self.r
         path = r.path
         by_url = {w.url: w for w in r.workers}
         # What any routable worker holds of this prompt, before this request's own dispatch is recorded.
         cacheable = cacheable_tokens(ctx.policy, r.key, by_url)
-        attempts = min(len(r.ranked), 1 + ctx.max_retries)
+        attempts = 1 + ctx.max_retries
         last_error = "no candidate"
         decision: RouteDecision | None = None
         reason = "fallback"
         first: bytes | None = None  # a stream's first chunk, read before the client gets any byte
-        tried = 0
+        tried: set[str] = set()
         answered = False
-        for candidate in r.ranked:
-            if tried == attempts:
-                break
+        self._pending = list(r.ranked)
+        candidate = self._next_candidate(by_url, tried)
+        while candidate is not None and len(tried) < attempts:
             w = by_url[candidate.worker]
-            if tried > 0 and (w.removed or not w.breaker.routable):
-                continue  # ejected or gone since the request was ranked: not worth an attempt
             decision = candidate
-            reason = decision.reason if tried == 0 else "retry"
-            if tried > 0:
+            reason = decision.reason if not tried else "retry"
+            if tried:
                 ctx.metrics.retries.inc()
-            tried += 1
+            tried.add(w.url)
             self.tokens = max(0, r.prompt_tokens - decision.predicted_cached_tokens) + r.request.out_tokens
             self.worker = w
             ctx.pool.acquire(w, self.tokens)
@@ -225,11 +244,13 @@ class Relay:
                     raise
                 last_error = f"{w.url}: stalled, {why}"
                 await self._close()
+                candidate = self._next_candidate(by_url, tried)
                 continue
             except Dropped as e:
                 last_error = f"{w.url}: {e}"
                 ctx.pool.record_failure(w, f"{e} on POST {path}")
                 await self._close()
+                candidate = self._next_candidate(by_url, tried)
                 continue
             except httpx.TimeoutException as e:  # read/write/pool timeout: the request may be running; no retry
                 ctx.pool.record_failure(w, f"{failure_reason(e)} on POST {path}")
@@ -241,28 +262,28 @@ class Relay:
                 await self._close()
                 await self._error(send, 502, f"the engine {w.url} failed: {type(e).__name__}", worker=w.url)
                 return
+            retry_why: str | None = None
             if resp.status_code == 503 and resp.headers.get(constants.HEADER_DRAINING):
                 ctx.pool.record_draining(w)  # shutting down, not failing: unroutable at once, no ejection
-                if tried < attempts:
-                    last_error = f"{w.url}: draining"
-                    await self._close()
-                    continue
+                retry_why = f"{w.url}: draining"
             elif resp.status_code >= 500:
                 ctx.pool.record_failure(w, status_reason(resp.status_code, "POST", path))
-                if resp.status_code == 503 and tried < attempts:
-                    last_error = f"{w.url}: answered 503"
-                    await self._close()
-                    continue
+                if resp.status_code == 503:
+                    retry_why = f"{w.url}: answered 503"
             elif resp.status_code == 404 and self.model in w.models:
                 # The engine does not serve the model it listed: restarted with another one at the same URL. Re-read
                 # its models now and try an engine still serving it; the last candidate's 404 goes to the client.
                 ctx.pool.reprobe(w)
-                if tried < attempts:
-                    last_error = f"{w.url}: does not serve {self.model} any more"
-                    await self._close()
-                    continue
+                retry_why = f"{w.url}: does not serve {self.model} any more"
             else:
                 ctx.pool.record_success(w)
+            if retry_why is not None and len(tried) < attempts:
+                nxt = self._next_candidate(by_url, tried)  # looked up now: workers routable by now count
+                if nxt is not None:
+                    last_error = retry_why
+                    await self._close()
+                    candidate = nxt
+                    continue
             answered = True
             break
         if not answered:
