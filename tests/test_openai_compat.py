@@ -19,13 +19,15 @@ import pytest
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletionStreamOptionsParam
 
+from radixserve.contracts.protocol import ChatCompletionRequest
 from radixserve.engine.config import EngineArgs
 from radixserve.engine.engine import Engine
+from radixserve.engine.server.chat import RenderOptions, TemplateCaps, render_prompt
 from radixserve.engine.server.http import create_app
 from radixserve.router.app import create_app as router_app
 from radixserve.router.config import RouterArgs
 
-from fake_engine import FakeEngine, ServerThread, sse_payloads, wait_until
+from fake_engine import FakeEngine, ServerThread, load_tokenizer, sse_payloads, wait_until
 from tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -143,7 +145,15 @@ EXTENSIONS: dict[str, list[Case]] = {
     "json_schema": [({"json_schema": SCHEMA}, 200), ({"json_schema": 5}, "json_schema")],
     "cache_salt": [({"cache_salt": "tenant-a"}, 200)],
     "min_tokens": [({"min_tokens": 2}, "min_tokens")],
-    "chat_template_kwargs": [({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs")],
+}
+# Chat only: the completions endpoint has no template.
+CHAT_EXTENSIONS: dict[str, list[Case]] = {
+    "chat_template_kwargs": [
+        ({"chat_template_kwargs": {"enable_thinking": False}}, 200),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+    ],
     "(any other key)": [
         ({"frobnicate": 1}, "frobnicate"),
         ({"temprature": 0.5}, "temprature"),
@@ -156,7 +166,7 @@ COMPLETIONS_EXTENSIONS: dict[str, list[Case]] = {
 SECTIONS = {
     "POST /v1/chat/completions": CHAT,
     "POST /v1/completions": COMPLETIONS,
-    "Extensions (both endpoints)": {**EXTENSIONS, **COMPLETIONS_EXTENSIONS},
+    "Extensions (SGLang and vLLM)": {**EXTENSIONS, **CHAT_EXTENSIONS, **COMPLETIONS_EXTENSIONS},
 }
 
 
@@ -269,7 +279,7 @@ def check(r: httpx.Response, expect: int | str, stream: bool) -> None:
 def all_cases() -> list[Any]:
     """``(endpoint, patch, expect)`` of every case, the extensions on both endpoints."""
     tables = [("chat", CHAT), ("completions", COMPLETIONS), ("chat", EXTENSIONS), ("completions", EXTENSIONS)]
-    tables.append(("completions", COMPLETIONS_EXTENSIONS))
+    tables += [("chat", CHAT_EXTENSIONS), ("completions", COMPLETIONS_EXTENSIONS)]
     return [
         pytest.param(endpoint, patch, expect, id=f"{endpoint}-{key}-{i}")
         for endpoint, table in tables
@@ -393,6 +403,18 @@ def test_logit_bias_through_the_router_with_the_openai_client(engine, engine_url
     assert e.value.param == "logit_bias"
 
 
+def test_router_streams_keep_the_parameters(engine, router_url):
+    """A stream through the router is re-encoded (it asks for the usage chunk): logit_bias still forces, and an
+    unknown key is still the engine's 400."""
+    body = {**BASE["chat"], "max_tokens": 3, "stream": True, "logit_bias": {"1234": 100}}
+    r = post(router_url, "chat", body)
+    assert r.status_code == 200, r.text
+    text = "".join(ch["delta"].get("content") or "" for p in sse_payloads(r.text) for ch in p["choices"])
+    assert text == engine.tokenizer.decode([1234] * 3)
+    r = post(router_url, "chat", {**body, "frobnicate": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+
+
 def test_openai_client_sends_nothing_refused(router_url):
     """Every accepted (ignored) OpenAI field, set through the official client: 200."""
     client = openai.OpenAI(base_url=router_url + "/v1", api_key="x")
@@ -451,6 +473,18 @@ def test_best_of_with_several_prompts_and_echo(engine_url):
     texts = [c["text"] for c in r.json()["choices"]]
     assert len(texts) == 2 and texts[0].startswith("Hi") and texts[1].startswith("Bye")
     assert r.json()["usage"]["completion_tokens"] == 2 * 3 * 2
+
+
+# ----------------------------------------------------------------------------------------------------- chat template
+
+
+def test_chat_template_kwargs_reach_the_template():
+    tok = load_tokenizer()
+    tok.chat_template = "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"
+    req = ChatCompletionRequest.model_validate({"messages": MSGS, "chat_template_kwargs": {"shout": True}})
+    assert render_prompt(tok, req, RenderOptions(caps=TemplateCaps())) == "LOUD Say hi."
+    req = ChatCompletionRequest.model_validate({"messages": MSGS})
+    assert render_prompt(tok, req, RenderOptions(caps=TemplateCaps())) == "Say hi."
 
 
 # ----------------------------------------------------------------------------------------------------- tool calls

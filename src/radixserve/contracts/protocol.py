@@ -150,6 +150,8 @@ class ChatCompletionRequest(_SamplingExtras):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # SGLang's and vLLM's extra variables for the chat template (``{"enable_thinking": false}`` for Qwen3).
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI fields with no effect on the output, accepted and ignored (docs/openai-compat.md).
     metadata: dict[str, str] | None = None
     store: bool | None = None  # true (store the completion) is refused

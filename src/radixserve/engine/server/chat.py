@@ -9,6 +9,7 @@ message and past calls into the assistant text (formats in ``engine/server/tools
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -219,11 +220,28 @@ def _message_dicts(req: ChatCompletionRequest, opts: RenderOptions, caps: Templa
     return messages
 
 
+def template_variables(tokenizer: Any, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs``, the request's extra chat-template variables, checked: none may be an argument of
+    ``apply_chat_template`` itself (``tokenize``, ``tools``, ``chat_template`` ...) nor ``messages``, which the
+    server sets from the request (400 naming ``chat_template_kwargs.<key>``)."""
+    if not extra:
+        return {}
+    reserved = {"messages", *inspect.signature(tokenizer.apply_chat_template).parameters} - {"kwargs"}
+    for name in extra:
+        if name in reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {name!r}: the server sets it from the request",
+                f"chat_template_kwargs.{name}",
+            )
+    return dict(extra)
+
+
 def render_prompt(tokenizer: Any, req: ChatCompletionRequest, opts: RenderOptions | None = None) -> str:
-    """Render ``req.messages`` with the tokenizer's chat template and ``add_generation_prompt=True``.
+    """Render ``req.messages`` with the tokenizer's chat template and ``add_generation_prompt=True``, its
+    ``chat_template_kwargs`` as extra template variables.
 
     ``opts``: tools to show and compatibility switches (default: none). Raises ``InvalidRequestError`` for no
-    messages, an unknown role, non-text content, or a template error.
+    messages, an unknown role, non-text content, a reserved ``chat_template_kwargs`` key, or a template error.
     """
     opts = opts or RenderOptions()
     if not req.messages:
@@ -232,7 +250,7 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest, opts: RenderOption
         raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
     caps = opts.caps if opts.caps is not None else TemplateCaps.probe(tokenizer)
     messages = _message_dicts(req, opts, caps)
-    kwargs: dict[str, Any] = {}
+    kwargs = template_variables(tokenizer, req.chat_template_kwargs)
     if opts.functions and caps.tools:
         kwargs["tools"] = [{"type": "function", "function": fn} for fn in opts.functions]
     try:
