@@ -13,8 +13,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse(obj: Any) -> bytes:
-    """One server-sent event ``data: <compact JSON>\\n\\n`` (UTF-8, non-ASCII kept as is)."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+    """One server-sent event ``data: <compact JSON>\\n\\n`` (UTF-8, non-ASCII kept as is; a lone surrogate, which
+    UTF-8 cannot carry, as its ``\\ud800`` escape rather than an exception that would cut the stream short)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        data = json.dumps(obj, separators=(",", ":")).encode("ascii")
+    return b"data: " + data + b"\n\n"
 
 
 def sse_error(message: str, status: int, param: str | None = None) -> bytes:

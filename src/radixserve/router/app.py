@@ -4,9 +4,10 @@ Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` (proxi
 ``GET /v1/models`` (aggregated over routable workers; an OpenAI-format 503 while none is), ``/v1/models/{model}``,
 ``/live`` (200 while the process serves: the Kubernetes probes), ``/health`` (routability: ``ok``, ``degraded`` or, as
 a 503, ``unavailable``, with discovery age and every worker's state), ``/ready`` (200 when a worker is routable, else
-503), ``/metrics``; ``readiness.py`` logs the ``ready:`` line. Like the engine's server
-(engine/server/http.py), a pure-ASGI edge middleware assigns and echoes ``x-request-id``, enforces the body limit (413)
-and the optional bearer API key (401), and every error is the OpenAI error body.
+503), ``/metrics``, ``/openapi.json`` (the proxied routes' bodies included, ``contracts/openapi.py``);
+``readiness.py`` logs the ``ready:`` line. Like the engine's server (engine/server/http.py), a pure-ASGI edge
+middleware assigns and echoes ``x-request-id``, enforces the body limit (413) and the optional bearer API key (401),
+and every error is the OpenAI error body.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from radixserve.contracts import constants
+from radixserve.contracts import constants, openapi
 from radixserve.contracts.edge import EdgeMiddleware, http_exception_handler
 from radixserve.contracts.edge import error_response as _error_response
-from radixserve.contracts.protocol import ModelCard
+from radixserve.contracts.protocol import ChatCompletionRequest, CompletionRequest, GenerateReqInput, ModelCard
 from radixserve.contracts.serving import raise_open_files_limit, serve
 from radixserve.router.cache_state import CacheStateTracker
 from radixserve.router.cache_state import attach as attach_cache_oracle
@@ -182,7 +183,18 @@ def create_app(args: RouterArgs, discovery: Any = None) -> FastAPI:
             await client.aclose()
             await control.aclose()
 
-    app = _RouterApp(title="radixserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = _RouterApp(
+        title="radixserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=openapi.OPENAPI_PATH
+    )
+    # The proxied routes are raw ASGI apps: the schema gets their request bodies from the protocol types.
+    openapi.install(
+        app,
+        {
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/completions": CompletionRequest,
+            "/generate": GenerateReqInput,
+        },
+    )
     app.state.pool, app.state.proxy, app.state.metrics, app.state.client = pool, proxy, metrics, client
     app.state.policy, app.state.extractor, app.state.discovery = policy, extractor, discovery
     app.state.readiness = readiness

@@ -80,9 +80,15 @@ def resolve_model(body: dict[str, Any], served: frozenset[str]) -> str | Request
     return model
 
 
+# Counts above this are malformed (no context is that long): they count as their defaults. Regression: ``"n": 1e400``
+# written as an integer made the cost too large for the policy's float load arithmetic (OverflowError -> 500).
+_MAX_COUNT = 2**31
+
+
 def output_token_cost(kind: RequestKind, body: dict[str, Any], default_max_tokens: int) -> int:
     """Tokens this request may generate: max tokens (or ``default_max_tokens``) x samples x prompts. Malformed
-    fields count as their defaults (the engine answers 400 for them)."""
+    fields (the wrong type, negative, or ``_MAX_COUNT`` and over) count as their defaults (the engine answers 400
+    for them)."""
     n: object = 1
     mt: object
     prompts = 1
@@ -103,9 +109,9 @@ def output_token_cost(kind: RequestKind, body: dict[str, Any], default_max_token
         if mt is None:
             mt = body.get("max_tokens")
         n = body.get("n", 1)
-    if not isinstance(mt, int) or isinstance(mt, bool) or mt < 0:
+    if not isinstance(mt, int) or isinstance(mt, bool) or not 0 <= mt < _MAX_COUNT:
         mt = default_max_tokens
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n < _MAX_COUNT:
         n = 1
     return mt * n * max(prompts, 1)
 

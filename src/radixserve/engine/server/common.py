@@ -11,13 +11,18 @@ from radixserve.contracts.protocol import random_id
 from radixserve.engine.io_struct import InvalidRequestError
 
 
-def encode_text(tokenizer: Any, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-    """Tokenize client text. Raises InvalidRequestError (400) for text that is not valid Unicode (lone surrogates,
-    which JSON can carry as ``\\ud800`` but the tokenizer rejects)."""
+def check_unicode(text: str, param: str) -> None:
+    """Raise InvalidRequestError (400, naming ``param``) for text that is not valid Unicode: lone surrogates, which
+    JSON can carry as ``\\ud800`` but neither the tokenizer nor a UTF-8 response can take."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidRequestError(f"{param} is not valid Unicode: {e.reason} at position {e.start}", param) from e
+
+
+def encode_text(tokenizer: Any, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Tokenize client text. Raises InvalidRequestError (400) for text that is not valid Unicode (``check_unicode``)."""
+    check_unicode(text, param)
     ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return ids
 

@@ -4,11 +4,12 @@ Routes: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/completion
 ``GET /v1/models/{model}``, ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``POST /flush_cache``,
 ``POST /abort_request``, ``GET /metrics``, ``GET /get_tokenizer_files`` (for routers that key on token blocks),
 ``GET /cache_events``, ``GET /cache_snapshot``, ``POST /prefix_blocks``, ``GET /load`` (the radix cache and the load
-for routers, ``cache_state.py``). ``drain.py`` is the graceful drain of SIGTERM / Ctrl-C (``run_engine``). Every
-error is the OpenAI error body (``radixserve.contracts.protocol.error_body``): validation errors are 400 (not
-FastAPI's 422), unexpected exceptions 500 without a traceback. A pure-ASGI middleware assigns and echoes
-``x-request-id``, enforces the request body limit (413) and the optional bearer API key (401). The HTTP event loop
-never runs a model forward: the engine's scheduler thread does.
+for routers, ``cache_state.py``), ``GET /openapi.json`` (``contracts/openapi.py``). ``drain.py`` is the graceful
+drain of SIGTERM / Ctrl-C (``run_engine``). Every error is the OpenAI error body
+(``radixserve.contracts.protocol.error_body``): validation errors are 400 (not FastAPI's 422), unexpected exceptions
+500 without a traceback. A pure-ASGI middleware assigns and echoes ``x-request-id``, enforces the request body limit
+(413) and the optional bearer API key (401). The HTTP event loop never runs a model forward: the engine's scheduler
+thread does.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
-from radixserve.contracts import block_hash, constants
+from radixserve.contracts import block_hash, constants, openapi
 from radixserve.contracts.edge import BODY_SCOPE_KEY, EdgeMiddleware, error_response, http_exception_handler
 from radixserve.contracts.protocol import (
     ChatCompletionRequest,
@@ -37,6 +38,7 @@ from radixserve.contracts.protocol import (
 from radixserve.engine.io_struct import InvalidRequestError
 from radixserve.engine.server import cache_state
 from radixserve.engine.server.client_io import ClientDisconnected
+from radixserve.engine.server.common import check_unicode
 from radixserve.engine.server.context import ServerContext
 from radixserve.engine.server.drain import Drain, DrainMiddleware
 from radixserve.engine.server.engine_client import EngineClient
@@ -94,7 +96,10 @@ def create_app(engine: EngineClient, manage_engine: bool = True) -> FastAPI:
                 if starter is not None and not starter.done():
                     starter.cancel()
 
-    app = FastAPI(title="radixserve engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="radixserve engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=openapi.OPENAPI_PATH
+    )
+    openapi.install(app)
     app.state.ctx = ctx
     app.state.drain = drain
     app.add_middleware(DrainMiddleware, drain=drain)  # inside the edge: request ids and the API key come first
@@ -135,6 +140,11 @@ def create_app(engine: EngineClient, manage_engine: bool = True) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateReqInput, request: Request) -> Response:
+        # The rid comes back in meta_info.id: a lone surrogate there cannot be written as UTF-8 (regression: a 500).
+        rids = body.rid if isinstance(body.rid, list) else [body.rid]
+        for i, rid in enumerate(rids):
+            if isinstance(rid, str):
+                check_unicode(rid, f"rid[{i}]" if isinstance(body.rid, list) else "rid")
         return await servings.generate.handle(request, body)
 
     def model_card() -> ModelCard:
