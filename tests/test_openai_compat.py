@@ -52,11 +52,11 @@ SHARED: dict[str, list[Case]] = {
     "frequency_penalty": [({"frequency_penalty": 1.5}, 200), ({"frequency_penalty": 3}, "frequency_penalty")],
     "logit_bias": [({"logit_bias": {"42": 5, "7": -100}}, 200), ({"logit_bias": {"x": 1}}, "logit_bias")],
     "max_tokens": [({"max_tokens": 3}, 200), ({"max_tokens": -1}, "max_tokens")],
-    "n": [({"n": 3, "temperature": 1.0}, 200), ({"n": 0}, "n")],
+    "n": [({"n": 3, "temperature": 1.0}, 200), ({"n": None}, 200), ({"n": 0}, "n")],  # null was a 400
     "presence_penalty": [({"presence_penalty": -1}, 200), ({"presence_penalty": 2.5}, "presence_penalty")],
     "seed": [({"seed": 7, "temperature": 1.0}, 200), ({"seed": "7"}, "seed")],
     "stop": [({"stop": ["\n", "."]}, 200), ({"stop": [""]}, "stop")],
-    "stream": [({"stream": True}, 200), ({"stream": "yes"}, "stream")],
+    "stream": [({"stream": True}, 200), ({"stream": None}, 200), ({"stream": "yes"}, "stream")],
     "stream_options.include_usage": [
         ({"stream": True, "stream_options": {"include_usage": True}}, 200),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -81,7 +81,7 @@ CHAT: dict[str, list[Case]] = {
     "audio": [({"audio": {"voice": "alloy", "format": "wav"}}, "audio")],
     "function_call": [({"function_call": "auto"}, "function_call")],
     "functions": [({"functions": [{"name": "f", "parameters": {}}]}, "functions")],
-    "logprobs": [({"logprobs": True}, 200), ({"logprobs": 1}, "logprobs")],
+    "logprobs": [({"logprobs": True}, 200), ({"logprobs": None}, 200), ({"logprobs": 1}, "logprobs")],
     "max_completion_tokens": [
         ({"max_completion_tokens": 3}, 200),
         ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
@@ -128,7 +128,7 @@ COMPLETIONS: dict[str, list[Case]] = {
         ({"best_of": 1, "n": 2}, "best_of"),
         ({"best_of": 3, "stream": True}, "best_of"),
     ],
-    "echo": [({"echo": True, "logprobs": 1}, 200)],
+    "echo": [({"echo": True, "logprobs": 1}, 200), ({"echo": None}, 200)],
     "logprobs": [({"logprobs": 2}, 200), ({"logprobs": 21}, "logprobs")],
     "suffix": [({"suffix": ""}, 200), ({"suffix": " the end."}, "suffix")],
 }
@@ -137,7 +137,7 @@ EXTENSIONS: dict[str, list[Case]] = {
     "min_p": [({"min_p": 0.1, "temperature": 1.0}, 200), ({"min_p": 2}, "min_p")],
     "repetition_penalty": [({"repetition_penalty": 1.3}, 200), ({"repetition_penalty": 0}, "repetition_penalty")],
     "stop_token_ids": [({"stop_token_ids": [2]}, 200), ({"stop_token_ids": [10**7]}, "stop_token_ids")],
-    "ignore_eos": [({"ignore_eos": True}, 200)],
+    "ignore_eos": [({"ignore_eos": True}, 200), ({"ignore_eos": None}, 200)],
     "skip_special_tokens": [({"skip_special_tokens": False}, 200)],
     "no_stop_trim": [({"no_stop_trim": True, "stop": "."}, 200)],
     "regex": [({"regex": "[ab]+"}, 200), ({"regex": "[ab"}, "regex")],

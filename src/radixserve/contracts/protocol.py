@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from radixserve.contracts import constants
 
@@ -81,6 +81,15 @@ class StreamOptions(BaseModel):
 class _SamplingExtras(_Request):
     """SGLang/vLLM extra sampling keys accepted by both OpenAI endpoints (passed to the engine's SamplingParams)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``null`` for a field with a plain default means that default, as OpenAI's reference makes ``n``,
+        ``stream``, ``logprobs`` and ``echo`` nullable (regression: ``"n": null`` was a 400)."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
+
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -99,6 +108,10 @@ class _SamplingExtras(_Request):
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+
+# Request fields whose type is not nullable but whose null means the default (``_null_is_default``).
+_NULL_IS_DEFAULT = frozenset({"n", "stream", "logprobs", "echo", "ignore_eos", "skip_special_tokens", "no_stop_trim"})
 
 
 # ----------------------------------------------------------------------------------------------------------------------
