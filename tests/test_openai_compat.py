@@ -41,6 +41,15 @@ BASE: dict[str, dict[str, Any]] = {
 }
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+TOOL2 = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def allowed(mode: str, *names: str) -> dict[str, Any]:
+    """OpenAI's ``allowed_tools`` tool choice over ``names``."""
+    tools = [{"type": "function", "function": {"name": n}} for n in names]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+
+
 AUDIO_PART = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -108,8 +117,16 @@ CHAT: dict[str, list[Case]] = {
         ({"tools": [TOOL], "tool_choice": "none"}, 200),
         ({"tools": [TOOL], "tool_choice": "required"}, 200),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [TOOL, TOOL2], "tool_choice": allowed("required", "get_time")}, 200),
+        ({"tools": [TOOL], "tool_choice": allowed("auto", "nope")}, "tool_choice.allowed_tools.tools[0]"),
+        ({"tools": [TOOL], "tool_choice": allowed("any", "get_weather")}, "tool_choice.allowed_tools.mode"),
+        ({"tools": [TOOL], "tool_choice": {"type": "custom", "custom": {"name": "get_weather"}}}, "tool_choice"),
     ],
-    "tools": [({"tools": [TOOL]}, 200), ({"tools": [{"type": "web_search"}]}, "tools[0]")],
+    "tools": [
+        ({"tools": [TOOL]}, 200),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0]"),
+    ],
     "top_logprobs": [({"logprobs": True, "top_logprobs": 3}, 200), ({"top_logprobs": 3}, "top_logprobs")],
     "verbosity": [({"verbosity": "low"}, "verbosity")],
     "web_search_options": [({"web_search_options": {}}, "web_search_options")],
@@ -495,6 +512,26 @@ def two_calls_engine(tokenizer: Any) -> FakeEngine:
     call = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
     engine.script_ids = tokenizer.encode(call + call)
     return engine
+
+
+def test_allowed_tools_offer_and_constrain_only_those(engine):
+    """``allowed_tools``: only the listed tools are shown to the model and callable; ``required`` constrains the
+    reply to a call of one of them, ``auto`` leaves a call to another tool as text."""
+    fake = two_calls_engine(engine.tokenizer)  # replies with two calls to get_weather
+    client = TestClient(create_app(fake, manage_engine=False))
+    body: dict[str, Any] = {"messages": MSGS, "tools": [TOOL, TOOL2], "max_tokens": 200}
+    r = client.post("/v1/chat/completions", json={**body, "tool_choice": allowed("auto", "get_time")})
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert "tool_calls" not in message and "get_weather" in message["content"]
+    prompt = engine.tokenizer.decode(fake.requests[0].input_ids)
+    assert "get_time" in prompt and "get_weather" not in prompt
+    r = client.post("/v1/chat/completions", json={**body, "tool_choice": allowed("required", "get_time")})
+    assert r.status_code == 200, r.text
+    schema = json.loads(fake.requests[1].sampling_params.json_schema)
+    assert schema["properties"]["name"] == {"const": "get_time"}
+    r = client.post("/v1/chat/completions", json={**body, "tool_choice": allowed("auto", "get_weather", "get_time")})
+    assert len(r.json()["choices"][0]["message"]["tool_calls"]) == 2
 
 
 @pytest.mark.parametrize("stream", [False, True])

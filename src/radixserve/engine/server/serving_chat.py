@@ -102,13 +102,14 @@ class ChatServing(Serving[ChatCompletionRequest, ChatJob]):
     """``POST /v1/chat/completions`` over ``ctx.engine``."""
 
     def render_options(self, req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], ToolChoice, RenderOptions]:
-        """The request's function tools, its resolved ``tool_choice`` and how to render it (the tools shown unless
-        the choice is ``none``). Raises ``InvalidRequestError`` (400 naming the field) for bad tools or choice."""
+        """The request's function tools, its resolved ``tool_choice`` and how to render it (the tools it offers shown
+        unless the choice is ``none``). Raises ``InvalidRequestError`` (400 naming the field) for bad tools or
+        choice."""
         args = self.ctx.engine.args
         functions = validate_tools(req.tools)
         choice = resolve_tool_choice(functions, req.tool_choice, args.tool_choice_as_auto)
         opts = RenderOptions(
-            functions=functions if choice.mode != "none" else None,
+            functions=choice.offered(functions) if choice.mode != "none" else None,
             flatten_tool_content=args.flatten_tool_content,
             accept_bare_image_url=args.accept_bare_image_url,
         )
@@ -128,7 +129,8 @@ class ChatServing(Serving[ChatCompletionRequest, ChatJob]):
         args = ctx.engine.args
         k = check_chat(ctx, req)
         functions, choice, opts = self.render_options(req)
-        sp = sampling_params(ctx, req, call_schema(functions, choice) if choice.forced else None)
+        offered = choice.offered(functions)  # allowed_tools: the only ones callable
+        sp = sampling_params(ctx, req, call_schema(offered, choice) if choice.forced else None)
         if choice.forced:
             mode = "forced"
         elif choice.mode == "auto" and sp.grammar_key() is None:
@@ -141,7 +143,7 @@ class ChatServing(Serving[ChatCompletionRequest, ChatJob]):
         sp.max_new_tokens = resolve_max_tokens(
             requested, args.default_chat_max_tokens, len(ids), ctx.context_length, param, "messages"
         )
-        names = {f["name"] for f in functions}
+        names = {f["name"] for f in offered}
         choices = [
             ChatChoice(
                 parser=ChatOutputParser(mode, names, make_reasoning_stream(args.reasoning_parser)),
@@ -161,8 +163,8 @@ class ChatServing(Serving[ChatCompletionRequest, ChatJob]):
         )
         tool_params = None
         if choice.forced:
-            index = {f["name"]: i for i, f in enumerate(functions)}
-            used = [f for f in functions if choice.mode == "required" or f["name"] == choice.name]
+            index = {f["name"]: i for i, f in enumerate(functions)}  # the param names the request's own list
+            used = [f for f in offered if choice.mode == "required" or f["name"] == choice.name]
             tool_params = [
                 (f"tools[{index[f['name']]}].function.parameters", json.dumps(call_schema([f], ToolChoice("required"))))
                 for f in used

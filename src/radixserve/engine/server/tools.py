@@ -51,14 +51,20 @@ For each function call, return a json object with function name and arguments wi
 @dataclass
 class ToolChoice:
     """The resolved ``tool_choice``: ``mode`` is ``none`` (tools ignored), ``auto`` (the model may call; calls
-    parsed from text), ``required`` (one call to any tool, constrained) or ``named`` (one call to ``name``)."""
+    parsed from text), ``required`` (one call to any tool, constrained) or ``named`` (one call to ``name``).
+    ``allowed``: OpenAI's ``allowed_tools``, the names the model is offered and may call (None: every tool)."""
 
     mode: str
     name: str | None = None
+    allowed: frozenset[str] | None = None
 
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
+
+    def offered(self, functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The functions shown to the model and callable: ``allowed`` ones only, in the request's order."""
+        return functions if self.allowed is None else [f for f in functions if f["name"] in self.allowed]
 
 
 def validate_tools(tools: Any) -> list[dict[str, Any]]:
@@ -227,6 +233,8 @@ def resolve_tool_choice(functions: list[dict[str, Any]], tool_choice: Any, as_au
                 f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}", "tool_choice"
             )
         choice = ToolChoice(tool_choice)
+    elif isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+        choice = _allowed_tools(functions, tool_choice.get("allowed_tools"))
     elif isinstance(tool_choice, dict):
         fn = tool_choice.get("function")
         if tool_choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -241,8 +249,35 @@ def resolve_tool_choice(functions: list[dict[str, Any]], tool_choice: Any, as_au
     if choice.mode == "named" and choice.name not in {f["name"] for f in functions}:
         raise InvalidRequestError(f"tool_choice names an unknown tool {choice.name!r}", "tool_choice.function.name")
     if as_auto and choice.forced:
-        return ToolChoice("auto")
+        return ToolChoice("auto", allowed=choice.allowed)
     return choice
+
+
+def _allowed_tools(functions: list[dict[str, Any]], spec: Any) -> ToolChoice:
+    """OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [{"type":
+    "function", "function": {"name": ...}}]}}``: ``mode`` over the listed tools only. 400s name the field."""
+    where = "tool_choice.allowed_tools"
+    if not isinstance(spec, dict):
+        raise InvalidRequestError(f'{where} must be an object {{"mode", "tools"}}', where)
+    mode = spec.get("mode")
+    if mode not in ("auto", "required"):
+        raise InvalidRequestError(f"{where}.mode must be 'auto' or 'required', got {mode!r}", f"{where}.mode")
+    tools = spec.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise InvalidRequestError(f"{where}.tools must be a non-empty list of tools", f"{where}.tools")
+    known = {f["name"] for f in functions}
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise InvalidRequestError(
+                f'{where}.tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}', f"{where}.tools[{i}]"
+            )
+        if name not in known:
+            raise InvalidRequestError(f"{where}.tools[{i}] names an unknown tool {name!r}", f"{where}.tools[{i}]")
+        names.add(name)
+    return ToolChoice(mode, allowed=frozenset(names))
 
 
 def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
