@@ -262,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any]
     info: dict[str, Any] = {"url": args.url, "started": args.url is None}
     if args.url:
-        report = soak(args.url.rstrip("/"), args, args.body_limit_bytes or 8 * 2**20)
+        url = args.url.rstrip("/")
+        if not stack.wait_until(lambda: stack.all_routable(url), 300):
+            raise SystemExit(f"soak: not every engine behind {url} was healthy within 300 s")
+        report = soak(url, args, args.body_limit_bytes or 8 * 2**20)
     else:
         body_limit = args.body_limit_bytes or 2**20
         port, base = free_port(), free_port(args.engines)

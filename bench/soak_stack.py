@@ -133,8 +133,9 @@ def engine_port(url: str) -> int:
 @dataclass
 class Faults:
     """Faults one engine at a time while the others serve: ``kind`` ``kill`` (SIGKILL), ``stop`` (SIGSTOP for
-    ``stop_s`` seconds, then SIGCONT) or ``both`` (alternating, stop first). Engines take turns. A fault waits until
-    every engine is healthy in the router again (at most ``recover_s``), so one engine always serves."""
+    ``stop_s`` seconds, then SIGCONT) or ``both`` (alternating, stop first). Engines take turns, so that with ``both``
+    each engine is stopped and killed. A fault waits until every engine is healthy in the router again (at most
+    ``recover_s``), so one engine always serves."""
 
     url: str
     kind: str
@@ -154,8 +155,8 @@ class Faults:
             return
         if self.ended.is_set():
             return
-        ws = workers(self.url)
-        target = ws[len(self.injected) % len(ws)]["url"]
+        ws, k = workers(self.url), len(self.injected)
+        target = ws[(k + k // 2) % len(ws)]["url"]  # with 2 engines and both kinds, each engine gets each kind
         pid = pid_listening(engine_port(target))
         if pid is None:
             self.not_recovered.append(f"no process listens for {target}")
