@@ -3,9 +3,10 @@ pool), one engine SIGSTOPped for 5 s at 20 s and the other SIGKILLed at 40 s, 8 
 
 Its JSON line must say: nothing bad (no 500, hang, malformed stream, stream cut without an error event, invalid
 json_schema output or tool arguments), nothing leaked (every engine's running / queued / KV counts and the router's
-in flight back at 0), and few clean errors. The bound is 5 %, not the 10-minute soak's 1 %: in 60 s one kill cuts
-the streams under way on that engine (they can only end with an error event), a few among ~100-200 requests on a
-loaded 2-core machine.
+in flight back at 0), and few clean errors. Not the 10-minute soak's 1 % of requests: in 60 s on a loaded 2-core
+machine there may be only ~100 requests, and the kill ends the streams under way on its engine with an error event
+(no retry can hide a stream already started), a few of them. So: those cut streams at most one per client, the 5 s
+stop (shorter than the router's 30 s stall bound) none, and every other clean error within 2 % of the requests.
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ pytestmark = [pytest.mark.slow, requires_demo_gguf]
 
 
 def test_sixty_seconds_of_faults_nothing_bad_nothing_leaked() -> None:
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "soak.py"), "--duration-s", "60", "--clients", "8"]
-    cmd += ["--fault", "both", "--fault-every-s", "20", "--stop-s", "5", "--max-clean-error-rate", "0.05"]
+    clients = 8
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "soak.py"), "--duration-s", "60", "--clients", str(clients)]
+    cmd += ["--fault", "both", "--fault-every-s", "20", "--stop-s", "5", "--max-clean-error-rate", "1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-3000:]
     report = json.loads(lines[-1])
     assert report["bad"] == 0, report["bad_examples"]
     assert report["leaked"] is False, report["leaked"]
-    assert report["clean_error_rate"] <= 0.05, report["clean_error_examples"]
+    assert report["cut_streams"] <= clients, report["clean_error_examples"]
+    other = report["clean_errors"] - report["cut_streams"]
+    assert other <= 0.02 * report["requests"], report["clean_error_examples"]
     assert report["faults"]["kill"] == 1 and report["faults"]["stop"] == 1, report["faults"]
     assert not report["faults"]["not_recovered"], report["faults"]
     assert report["requests"] >= 40 and report["refused"] >= 1, report["by_kind"]
