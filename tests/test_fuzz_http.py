@@ -16,6 +16,7 @@ import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import BaseModel, ValidationError
 
 from fuzz_inputs import (
     ENDPOINTS,
@@ -29,6 +30,7 @@ from fuzz_inputs import (
     raw_request,
     still_serves,
 )
+from radixserve.contracts.protocol import ChatCompletionRequest, CompletionRequest, GenerateReqInput
 from radixserve.contracts.sse import sse
 from radixserve.engine.server.http import create_app as engine_app
 from radixserve.router.app import create_app as router_app
@@ -135,6 +137,22 @@ def test_fuzz_other_methods_and_paths(server: AsgiClient) -> None:
     still_serves(server)
 
 
+def test_body_over_the_limit_is_a_413(server: AsgiClient) -> None:
+    """8 MiB + 1 byte (the default --max-request-body-bytes), with and without a Content-Length: the error body."""
+    raw = b'{"prompt": "' + b"a" * (8 * 1024 * 1024) + b'"}'
+    resp = server.request("POST", "/v1/completions", raw, {"content-type": "application/json"})
+    check(resp, "8 MiB body")
+    assert resp.status_code == 413, resp.text
+
+    async def chunks() -> Any:
+        for _ in range(9):
+            yield b"a" * (1024 * 1024)
+
+    resp = server.portal.call(lambda: server.http.post("/generate", content=chunks()))
+    check(resp, "8 MiB chunked body")
+    assert resp.status_code == 413, resp.text
+
+
 # ---- regressions: the exact inputs the fuzzing found
 
 
@@ -168,7 +186,51 @@ def test_generate_rid_with_a_lone_surrogate_is_a_400(server: AsgiClient, stream:
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
 
 
+def test_unknown_model_with_a_lone_surrogate_is_a_404(server: AsgiClient) -> None:
+    # The 404 quotes the model: "\ud800" could not be written as UTF-8, a 500 (engine).
+    for path, raw in [
+        (
+            "/v1/chat/completions",
+            b'{"model": "\\ud800", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}',
+        ),
+        ("/v1/completions", b'{"model": "a\\udfff", "prompt": "Once upon", "max_tokens": 4, "stream": true}'),
+    ]:
+        resp = server.request("POST", path, raw, {"content-type": "application/json"})
+        check(resp, raw.decode())
+        assert resp.status_code == 404 and resp.json()["error"]["param"] == "model", resp.text
+    assert (
+        "\ud800"
+        in server.post_json("/v1/chat/completions", {"model": "\ud800", "messages": []}).json()["error"]["message"]
+    )
+
+
 def test_sse_writes_a_lone_surrogate_as_its_escape() -> None:
     # Defence in depth: a stream event that cannot be UTF-8 is sent escaped, never an exception mid-stream.
     assert sse({"text": "a\ud800"}) == b'data: {"text":"a\\ud800"}\n\n'
     assert sse({"text": "é"}) == 'data: {"text":"é"}\n\n'.encode()
+
+
+# ---- found in files other engineers own (xfail until they fix it)
+
+_HUGE = 1_000  # enough to tell "every element" from "the first few"
+_HUGE_ARRAYS = [
+    (GenerateReqInput, {"text": "x", "sampling_params": [0] * _HUGE}),
+    (GenerateReqInput, {"input_ids": [1.5] * _HUGE}),
+    (ChatCompletionRequest, {"messages": [0] * _HUGE}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "tool_calls": [0] * _HUGE}]}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": ["a"] * _HUGE}),
+    (CompletionRequest, {"prompt": [1.5] * _HUGE}),
+]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="contracts/protocol.py: a list field reports every bad element; FastAPI then builds one error dict per "
+    "element on the event loop (an 8 MiB body of 4M such elements stalls every other request for ~45 s). "
+    "Fix: Field(fail_fast=True) on the list fields (pydantic >= 2.8).",
+)
+@pytest.mark.parametrize(("model", "body"), _HUGE_ARRAYS, ids=lambda x: getattr(x, "__name__", ""))
+def test_huge_array_of_bad_elements_reports_few_errors(model: type[BaseModel], body: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    assert e.value.error_count() <= 10

@@ -122,3 +122,10 @@ def test_schemathesis_tiny_engine(engine_client: HttpClient, engine: EngineProce
     """The engine's own schema, schema-valid and schema-violating inputs, a few examples per operation."""
     fuzz_schema(engine_client, max(EXAMPLES // 6, 5), engine.alive)
     still_serves(engine_client)
+
+
+def test_tiny_engine_logged_no_traceback(engine: EngineProcess) -> None:
+    """Runs last in this file: nothing the fuzzing sent made the engine log an unhandled exception."""
+    engine.alive()
+    log = engine.log_path.read_text()
+    assert "Traceback" not in log, log[max(log.find("Traceback") - 2000, 0) :][:6000]

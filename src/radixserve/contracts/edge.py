@@ -7,8 +7,10 @@ Pure ASGI (no ``BaseHTTPMiddleware``), so streams and client disconnects pass th
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -31,6 +33,18 @@ def valid_request_id(value: str | None) -> bool:
     return value is not None and 0 < len(value) <= MAX_REQUEST_ID_LEN and all(33 <= ord(c) < 127 for c in value)
 
 
+class ErrorJSONResponse(JSONResponse):
+    """A JSON error answer that always renders: a message quoting the client's text may hold a lone surrogate
+    (``"model": "\\ud800"``), which UTF-8 cannot carry; it is then sent as its ``\\ud800`` escape (regression: the
+    404 for that model was a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(
     message: str, status: int, param: str | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
@@ -39,7 +53,7 @@ def error_response(
     out = dict(headers or {})
     if status in (429, 503):
         out.setdefault("retry-after", "1")
-    return JSONResponse(error_body(message, status, param), status_code=status, headers=out)
+    return ErrorJSONResponse(error_body(message, status, param), status_code=status, headers=out)
 
 
 async def http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -53,7 +67,7 @@ async def http_exception_handler(request: Request, exc: Exception) -> JSONRespon
         # FastAPI's "There was an error parsing the body" (invalid UTF-8, JSON nested too deeply): say what.
         parsed = parse_json_object(raw)
         message = parsed if isinstance(parsed, str) else message
-    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+    return ErrorJSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
 
 class EdgeMiddleware:
