@@ -19,15 +19,27 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic.types import FailFast
+from typing_extensions import TypeAliasType
 
 from radixserve.contracts import constants
 
 # The most alternatives per token that we return (OpenAI's limit for chat ``top_logprobs``).
 MAX_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+# Request lists stop at their first bad element (pydantic's FailFast): a body of millions of bad elements would
+# otherwise make one error per element, built on the event loop (regression: an 8 MB /generate body with
+# ``sampling_params: [0, 0, ...]`` took 60 s to answer its 400 and held up every other request meanwhile).
+# Type aliases, because FailFast is unhashable and typing's unions hash their members.
+IntList = TypeAliasType("IntList", Annotated[list[int], FailFast()])
+IntLists = TypeAliasType("IntLists", Annotated[list[IntList], FailFast()])
+StrList = TypeAliasType("StrList", Annotated[list[str], FailFast()])
+DictList = TypeAliasType("DictList", Annotated[list[dict[str, Any]], FailFast()])
 
 
 def error_type(status: int) -> str:
@@ -93,7 +105,7 @@ class _SamplingExtras(_Request):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: IntList | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -127,6 +139,9 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+ContentParts = TypeAliasType("ContentParts", Annotated[list[ContentPart], FailFast()])
+
+
 class ChatMessage(BaseModel):
     """One chat message. ``content`` is a string, a list of parts, or null (an assistant turn with tool calls).
 
@@ -136,17 +151,20 @@ class ChatMessage(BaseModel):
 
     model_config = _REQUEST_CONFIG
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | ContentParts | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: DictList | None = None
     tool_call_id: str | None = None
+
+
+ChatMessages = TypeAliasType("ChatMessages", Annotated[list[ChatMessage], FailFast()])
 
 
 class ChatCompletionRequest(_SamplingExtras):
     """``POST /v1/chat/completions`` body (OpenAI shape plus SGLang's extra sampling keys)."""
 
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: ChatMessages
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float | None = None
@@ -154,7 +172,7 @@ class ChatCompletionRequest(_SamplingExtras):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | StrList | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     presence_penalty: float | None = None
@@ -178,7 +196,7 @@ class ChatCompletionRequest(_SamplingExtras):
     # fine).
     functions: Any = None
     function_call: Any = None
-    modalities: list[str] | None = None
+    modalities: StrList | None = None
     audio: Any = None
     prediction: Any = None
     reasoning_effort: Any = None
@@ -354,7 +372,7 @@ class CompletionRequest(_SamplingExtras):
     """``POST /v1/completions`` body. ``prompt``: a string, strings, token ids, or lists of token ids."""
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | StrList | IntList | IntLists
     suffix: str | None = None
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     temperature: float | None = None
@@ -365,7 +383,7 @@ class CompletionRequest(_SamplingExtras):
     stream_options: StreamOptions | None = None
     logprobs: int | None = None
     echo: bool = False
-    stop: str | list[str] | None = None
+    stop: str | StrList | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
@@ -434,13 +452,13 @@ class GenerateReqInput(_Request):
     response is a list. ``sampling_params`` is one dict for all prompts or a list with one per prompt.
     """
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    text: str | StrList | None = None
+    input_ids: IntList | IntLists | None = None
+    sampling_params: dict[str, Any] | DictList | None = None
     stream: bool = False
     return_logprob: bool = False
     # With return_logprob: the logprobs of the prompt tokens from this position on (-1: none); one per prompt too.
-    logprob_start_len: int | list[int] = -1
+    logprob_start_len: int | IntList = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
-    rid: str | list[str] | None = None
+    rid: str | StrList | None = None
