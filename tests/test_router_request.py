@@ -80,6 +80,8 @@ def test_a_lone_surrogate_reaches_the_engine_as_its_escape():
         ("chat", {"max_tokens": 10}, 10),
         ("chat", {"max_tokens": True, "n": False}, 100),
         ("completions", {"max_tokens": -1, "n": 2}, 200),
+        ("completions", {"max_tokens": 4, "n": 2, "best_of": 5}, 20),  # regression: counted n, not best_of
+        ("completions", {"max_tokens": 4, "n": 2, "best_of": 10**400}, 8),  # malformed: the engine's 400
         ("generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 5, "n": 2}}, 20),
         ("generate", {"input_ids": [[1], [2], [3]], "sampling_params": [{"max_new_tokens": 2}]}, 6),
         ("generate", {"text": "a", "sampling_params": "bad"}, 100),

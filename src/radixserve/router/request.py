@@ -86,7 +86,8 @@ _MAX_COUNT = 2**31
 
 
 def output_token_cost(kind: RequestKind, body: dict[str, Any], default_max_tokens: int) -> int:
-    """Tokens this request may generate: max tokens (or ``default_max_tokens``) x samples x prompts. Malformed
+    """Tokens this request may generate: max tokens (or ``default_max_tokens``) x samples (``n``, or a completion's
+    ``best_of`` when larger: each candidate is generated) x prompts. Malformed
     fields (the wrong type, negative, or ``_MAX_COUNT`` and over) count as their defaults (the engine answers 400
     for them)."""
     n: object = 1
@@ -109,6 +110,9 @@ def output_token_cost(kind: RequestKind, body: dict[str, Any], default_max_token
         if mt is None:
             mt = body.get("max_tokens")
         n = body.get("n", 1)
+        best_of = body.get("best_of")  # completions: best_of candidates are generated, n of them returned
+        if type(best_of) is int and type(n) is int and n < best_of < _MAX_COUNT:
+            n = best_of
     if not isinstance(mt, int) or isinstance(mt, bool) or not 0 <= mt < _MAX_COUNT:
         mt = default_max_tokens
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n < _MAX_COUNT:
