@@ -18,6 +18,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
+from radixserve.contracts.edge import valid_request_id
+from radixserve.contracts.protocol import ChatCompletionRequest, CompletionRequest, GenerateReqInput
+from radixserve.contracts.sse import sse
+from radixserve.engine.server.http import create_app as engine_app
+from radixserve.router.app import create_app as router_app
+from radixserve.router.config import RouterArgs
+from radixserve.router.request import output_token_cost
+
+from fake_engine import FakeEngine, ServerThread, load_tokenizer, wait_until
 from fuzz_inputs import (
     ENDPOINTS,
     EXAMPLES,
@@ -31,15 +40,6 @@ from fuzz_inputs import (
     raw_request,
     still_serves,
 )
-from radixserve.contracts.edge import valid_request_id
-from radixserve.contracts.protocol import ChatCompletionRequest, CompletionRequest, GenerateReqInput
-from radixserve.contracts.sse import sse
-from radixserve.engine.server.http import create_app as engine_app
-from radixserve.router.app import create_app as router_app
-from radixserve.router.config import RouterArgs
-from radixserve.router.request import output_token_cost
-
-from fake_engine import FakeEngine, ServerThread, load_tokenizer, wait_until
 
 
 @pytest.fixture(scope="module")

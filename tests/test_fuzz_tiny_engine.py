@@ -19,6 +19,11 @@ import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import given, settings
 
+from radixserve.router.app import create_app as router_app
+from radixserve.router.config import RouterArgs
+
+from conftest import ROOT, free_port, wait_healthy
+from fake_engine import wait_until
 from fuzz_inputs import (
     ENDPOINTS,
     EXAMPLES,
@@ -33,11 +38,6 @@ from fuzz_inputs import (
     raw_request,
     still_serves,
 )
-from radixserve.router.app import create_app as router_app
-from radixserve.router.config import RouterArgs
-
-from conftest import ROOT, free_port, wait_healthy
-from fake_engine import wait_until
 from tiny_model import write_tiny_model
 
 TINY_SETTINGS = settings(FUZZ_SETTINGS, max_examples=max(EXAMPLES // 3, 5))
