@@ -161,6 +161,9 @@ def test_gen_arguments() -> None:
         sgl.gen("r", regex="[unclosed")
     with pytest.raises(ValueError, match="stop_regex"):
         sgl.gen("r", stop_regex="x")
+    # min_tokens reaches the engine as min_new_tokens (it was a ValueError before the engine had it)
+    sent = sgl.gen("m", min_tokens=4).sampling_params.to_srt_kwargs()  # type: ignore[attr-defined]
+    assert sent["min_new_tokens"] == 4
     with pytest.raises(ValueError, match="non-empty"):
         sgl.select("c", [])
     assert isinstance(sgl.gen("c", choices=["a", "b"]), sgl.api.SglSelect)

@@ -161,7 +161,12 @@ EXTENSIONS: dict[str, list[Case]] = {
     "ebnf": [({"ebnf": 'root ::= "yes" | "no"'}, 200)],
     "json_schema": [({"json_schema": SCHEMA}, 200), ({"json_schema": 5}, "json_schema")],
     "cache_salt": [({"cache_salt": "tenant-a"}, 200)],
-    "min_tokens": [({"min_tokens": 2}, "min_tokens")],
+    "min_tokens": [
+        ({"min_tokens": 2}, 200),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"min_tokens": "2"}, "min_tokens"),
+    ],
 }
 # Chat only: the completions endpoint has no template.
 CHAT_EXTENSIONS: dict[str, list[Case]] = {
@@ -550,3 +555,37 @@ def test_parallel_tool_calls(engine, parallel, calls, stream):
         got = r.json()["choices"][0]["message"]["tool_calls"]
         assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
     assert [json.loads(c["function"]["arguments"]) for c in got] == [{}] * calls
+
+
+def test_min_tokens_holds_off_the_end_tokens_and_stop_strings(engine_url, engine):
+    """``min_tokens`` (``min_new_tokens`` natively): an end token forced by logit_bias comes only once the minimum is
+    reached; so does a forced stop token; a stop string in the early text does not end it; without it, the forced
+    end token ends the output at once. A grammar row keeps ending where its grammar ends."""
+    eos = sorted(engine.scheduler.eos_token_ids)[0]
+    forced_eos = {"max_new_tokens": 20, "temperature": 0, "logit_bias": {str(eos): 100}}
+    assert generate(engine_url, {"text": "Hi", "sampling_params": forced_eos})["meta_info"]["completion_tokens"] <= 1
+    out = generate(engine_url, {"text": "Hi", "sampling_params": {**forced_eos, "min_new_tokens": 5}})
+    assert eos not in out["output_ids"][:5] and out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert len(out["output_ids"]) <= 6  # the end token comes right after the minimum
+
+    r = post(
+        engine_url,
+        "completions",
+        {**BASE["completions"], "max_tokens": 20, "min_tokens": 7, "stop_token_ids": [700], "logit_bias": {"700": 100}},
+    )
+    body = r.json()
+    assert r.status_code == 200 and body["choices"][0]["finish_reason"] == "stop", body
+    assert body["usage"]["completion_tokens"] in (7, 8)  # 7 tokens, then the stop token (counted or not)
+
+    # A stop string in the text of the first tokens does not end it: the same greedy output, cut only after.
+    ids = greedy(engine_url, "The weather today", max_new_tokens=8)
+    first = engine.tokenizer.decode(ids[:1])
+    assert first.strip(), "the first token must have text to stop on"
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "stop": [first]}
+    cut = generate(engine_url, {"text": "The weather today", "sampling_params": params})
+    held = generate(engine_url, {"text": "The weather today", "sampling_params": {**params, "min_new_tokens": 8}})
+    assert cut["meta_info"]["completion_tokens"] == 1 and cut["text"] == ""
+    assert held["output_ids"] == ids
+
+    grammar = {"max_new_tokens": 20, "temperature": 0, "regex": "ab", "min_new_tokens": 10}
+    assert generate(engine_url, {"text": "Hi", "sampling_params": grammar})["text"] == "ab"

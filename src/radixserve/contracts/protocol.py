@@ -106,6 +106,7 @@ class _SamplingExtras(_Request):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: IntList | None = None
+    min_tokens: int = 0  # vLLM's: tokens generated before an end token may come (the engine's min_new_tokens)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False

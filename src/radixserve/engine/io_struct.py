@@ -46,6 +46,9 @@ class SamplingParams:
     """
 
     max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
+    # Tokens generated before an eos or stop_token_ids token may be sampled and stop strings are checked (vLLM's
+    # ``min_tokens``); a constraint (json_schema / regex / ebnf) still ends where its grammar ends.
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -101,6 +104,10 @@ class SamplingParams:
             not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0
         ):
             bad("max_new_tokens", "must be an integer >= 0")
+        if not isinstance(self.min_new_tokens, int) or isinstance(self.min_new_tokens, bool) or self.min_new_tokens < 0:
+            bad("min_new_tokens", "must be an integer >= 0")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            bad("min_new_tokens", f"must be at most max_new_tokens ({self.max_new_tokens})")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", "must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:

@@ -102,17 +102,18 @@ def gen(
     float, str, bool) constrains the text to that type's pattern (the variable stays text: ``int(s[name])``
     parses); ``regex`` / ``json_schema`` constrain it to a match (at most one of them). With ``choices`` it is
     ``select``. Parameters left None take the program's ``run`` defaults, else the server's. Raises re.error for an
-    invalid regex and ValueError for SGLang arguments radixserve does not support (``min_tokens``, ``n``,
-    ``stop_regex``).
+    invalid regex and ValueError for SGLang arguments radixserve does not support (``n``, ``stop_regex``).
+    ``min_tokens``: tokens generated before an end token or a stop string may end the text.
     """
     if choices:
         method = choices_method or token_length_normalized
         return select(name, choices, 0.0 if temperature is None else temperature, method)
-    _unsupported(min_tokens=min_tokens, n=n, stop_regex=stop_regex)
+    _unsupported(n=n, stop_regex=stop_regex)
     if regex is not None:
         re.compile(regex)
     params = SglSamplingParams(
         max_new_tokens=max_new_tokens if max_new_tokens is not None else max_tokens,
+        min_new_tokens=min_tokens,
         stop=stop,
         stop_token_ids=stop_token_ids,
         temperature=temperature,

@@ -26,6 +26,7 @@ REGEX_STR = r"\"[\w\d\s]*\""
 # Fields of ``SglSamplingParams`` sent in ``sampling_params`` (native /generate names), and those sent beside it.
 _SAMPLING_KEYS = (
     "max_new_tokens",
+    "min_new_tokens",
     "stop",
     "stop_token_ids",
     "temperature",
@@ -51,6 +52,7 @@ class SglSamplingParams:
     """
 
     max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
     temperature: float | None = None

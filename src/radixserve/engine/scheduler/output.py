@@ -86,10 +86,14 @@ class OutputProcessor:
             return FinishReason.stop(tok)
         if grammar_done and tok in self.eos_token_ids:  # the grammar ended with eos (even under ignore_eos)
             return FinishReason.stop(tok)
-        text, matched = req.stop_matcher.feed(req.detokenizer.add_tokens([tok]))
-        req.pending_text += text
-        if matched is not None:
-            return FinishReason.stop(matched)
+        new_text = req.detokenizer.add_tokens([tok])
+        if len(req.output_ids) < p.min_new_tokens:  # vLLM: no stop string ends an output short of min_tokens
+            req.pending_text += new_text
+        else:
+            text, matched = req.stop_matcher.feed(new_text)
+            req.pending_text += text
+            if matched is not None:
+                return FinishReason.stop(matched)
         if grammar_done:  # the grammar ended without a stop token (cannot happen with xgrammar's stop ids)
             return FinishReason.stop(None)
         if len(req.output_ids) >= req.max_new_tokens(self.config.context_length):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,11 +49,14 @@ class BatchSampler:
         vocab_size: a callable giving the model's vocabulary size (read only when a constrained row appears, so a
             stub runner without a model config works for unconstrained tests).
         max_rows: rows the bitmask is first sized for (it grows when a batch is larger).
+        eos_token_ids: the model's end tokens, masked out (with the row's ``stop_token_ids``) of a row that has
+            generated fewer than its ``min_new_tokens`` and has no grammar (a grammar ends where it ends).
     """
 
-    def __init__(self, vocab_size: Callable[[], int], max_rows: int):
+    def __init__(self, vocab_size: Callable[[], int], max_rows: int, eos_token_ids: Collection[int] = ()):
         self.vocab_size = vocab_size
         self.max_rows = max_rows
+        self.eos_token_ids = sorted(eos_token_ids)  # banned below a request's min_new_tokens
         self.grammar_s = 0.0  # grammar seconds of the last ``sample`` call
         self._token_bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, CPU, reused
 
@@ -68,7 +71,7 @@ class BatchSampler:
             [r.generator for r in reqs],
             [r.return_logprob for r in reqs],
             [r.top_logprobs_num for r in reqs],
-            logits_processor=self._grammar_mask(reqs),
+            logits_processor=self._logits_processor(reqs),
         )
         n = len(reqs)
         rejected, done, dead_end = [False] * n, [False] * n, [False] * n
@@ -91,6 +94,35 @@ class BatchSampler:
         if constrained:
             self.grammar_s += time.perf_counter() - t0
         return SampledTokens(out.next_token_ids, out.logprobs, rejected, done, dead_end)
+
+    def _logits_processor(self, reqs: Sequence[Req]) -> Callable[[torch.Tensor], None] | None:
+        """The grammar mask and the ``min_new_tokens`` ban of ``reqs``' rows, applied after the raw logprobs are
+        taken (they stay those of the model's distribution); None when no row needs either."""
+        grammar = self._grammar_mask(reqs)
+        banned = self._min_tokens_ban(reqs)
+        if banned is None:
+            return grammar
+
+        def apply(logits: torch.Tensor) -> None:
+            if grammar is not None:
+                grammar(logits)
+            logits.index_put_(banned, torch.tensor(float("-inf"), dtype=logits.dtype))
+
+        return apply
+
+    def _min_tokens_ban(self, reqs: Sequence[Req]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(row indices, token ids)`` to set to -inf: the end tokens of each unconstrained row still short of its
+        ``min_new_tokens`` (vLLM's min_tokens logits processor); None when there is none."""
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, r in enumerate(reqs):
+            if r.params.min_new_tokens > len(r.output_ids) and r.matcher is None:
+                ends = set(self.eos_token_ids) | set(r.params.stop_token_ids)
+                rows += [i] * len(ends)
+                toks += sorted(ends)
+        if not rows:
+            return None
+        return torch.tensor(rows, dtype=torch.long), torch.tensor(toks, dtype=torch.long)
 
     def _grammar_mask(self, reqs: Sequence[Req]) -> Callable[[torch.Tensor], None] | None:
         """Fill the token bitmask of the constrained rows of ``reqs``; returns the logits processor applying it."""

@@ -115,7 +115,9 @@ class Scheduler:
         self.kv = KVCacheManager(self.allocator, self.req_to_token_pool, self.cache)
         self.prefill = PrefillManager(config, self.kv, self._on_admit)
         self.decode = DecodeManager()
-        self.sampler = BatchSampler(lambda: int(runner.model_config.vocab_size), config.max_running_requests)
+        self.sampler = BatchSampler(
+            lambda: int(runner.model_config.vocab_size), config.max_running_requests, self.eos_token_ids
+        )
         self.output = OutputProcessor(self.eos_token_ids, config, metrics)
 
         self.inbox: queue.Queue[GenerateRequest | None] = queue.Queue()  # None: wake the loop

@@ -103,6 +103,7 @@ def sampling_params(
     not a token id, a bias outside [-100, 100]) or more than one constraint."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     defaults = ctx.engine.sampling_defaults
+    _check_min_tokens(req)
 
     def pick(value: Any, name: str, default: Any) -> Any:
         return defaults.get(name, default) if value is None else value
@@ -119,6 +120,7 @@ def sampling_params(
         seed=req.seed,
         stop=stop,
         stop_token_ids=list(req.stop_token_ids or []),
+        min_new_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
         n=req.n,
         **output_constraint(req, forced_call),
@@ -128,3 +130,17 @@ def sampling_params(
     )
     sp.validate(ctx.engine.vocab_size)
     return sp
+
+
+def _check_min_tokens(req: OpenAIRequest) -> None:
+    """``min_tokens`` (vLLM's) is an integer >= 0 and at most the request's own ``max_completion_tokens`` or
+    ``max_tokens`` when given (a limit from the context length only cuts the output short: ``length``). Raises
+    ``InvalidRequestError`` (400, ``min_tokens``)."""
+    if req.min_tokens < 0:
+        raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {req.min_tokens}", "min_tokens")
+    requested = getattr(req, "max_completion_tokens", None)
+    name = "max_completion_tokens"
+    if requested is None:
+        requested, name = req.max_tokens, "max_tokens"
+    if isinstance(requested, int) and not isinstance(requested, bool) and req.min_tokens > requested:
+        raise InvalidRequestError(f"min_tokens ({req.min_tokens}) must be at most {name} ({requested})", "min_tokens")
