@@ -134,13 +134,13 @@ def sampling_params(
 
 def _check_min_tokens(req: OpenAIRequest) -> None:
     """``min_tokens`` (vLLM's) is an integer >= 0 and at most the request's own ``max_completion_tokens`` or
-    ``max_tokens`` when given (a limit from the context length only cuts the output short: ``length``). Raises
-    ``InvalidRequestError`` (400, ``min_tokens``)."""
+    ``max_tokens`` when given and valid (a limit from the context length only cuts the output short: ``length``;
+    a negative max is its own 400). Raises ``InvalidRequestError`` (400, ``min_tokens``)."""
     if req.min_tokens < 0:
         raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {req.min_tokens}", "min_tokens")
     requested = getattr(req, "max_completion_tokens", None)
     name = "max_completion_tokens"
     if requested is None:
         requested, name = req.max_tokens, "max_tokens"
-    if isinstance(requested, int) and not isinstance(requested, bool) and req.min_tokens > requested:
+    if isinstance(requested, int) and not isinstance(requested, bool) and 0 <= requested < req.min_tokens:
         raise InvalidRequestError(f"min_tokens ({req.min_tokens}) must be at most {name} ({requested})", "min_tokens")
