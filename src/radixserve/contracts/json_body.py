@@ -45,6 +45,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any] | str:
         return f"the request body is not valid UTF-8 (byte {e.start}): a JSON object is expected"
     except RecursionError:
         return "the request body nests JSON too deeply"
+    except ValueError:  # after its subclasses above: Python's 4,300-digit limit on int() (regression: a 500)
+        return "the request body holds an integer too long to read (over 4,300 digits)"
     if not isinstance(body, dict):
         return NOT_AN_OBJECT_MESSAGE
     return body
