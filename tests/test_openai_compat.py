@@ -68,6 +68,7 @@ SHARED: dict[str, list[Case]] = {
     "stream": [({"stream": True}, 200), ({"stream": None}, 200), ({"stream": "yes"}, "stream")],
     "stream_options.include_usage": [
         ({"stream": True, "stream_options": {"include_usage": True}}, 200),
+        ({"stream": True, "stream_options": {"include_usage": None}}, 200),  # null: its default (was a 400)
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
     "stream_options.include_obfuscation": [
@@ -166,6 +167,7 @@ EXTENSIONS: dict[str, list[Case]] = {
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
         ({"min_tokens": "2"}, "min_tokens"),
+        ({"min_tokens": None}, 200),  # null is its default (new-user try: a 400)
     ],
 }
 # Chat only: the completions endpoint has no template.
@@ -589,3 +591,20 @@ def test_min_tokens_holds_off_the_end_tokens_and_stop_strings(engine_url, engine
 
     grammar = {"max_new_tokens": 20, "temperature": 0, "regex": "ab", "min_new_tokens": 10}
     assert generate(engine_url, {"text": "Hi", "sampling_params": grammar})["text"] == "ab"
+
+
+def test_min_new_tokens_over_max_new_tokens_is_a_400_on_generate(engine_url):
+    # New-user try: {"max_new_tokens": 3, "min_new_tokens": 5} answered 200 with 3 tokens (the minimum quietly unmet).
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 3, "min_new_tokens": 5}}
+    r = httpx.post(engine_url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_new_tokens", r.text
+    body["sampling_params"]["min_new_tokens"] = 3
+    assert generate(engine_url, body)["meta_info"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "contnet": "Hi"}, {"role": "system"}])
+def test_a_user_or_system_message_without_content_is_a_400(engine_url, message):
+    # New-user try: {"role": "user"} (or a misspelled "contnet") answered 200, rendered as an empty turn.
+    body = {**BASE["chat"], "messages": [message]}
+    r = post(engine_url, "chat", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text

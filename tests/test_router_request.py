@@ -45,15 +45,16 @@ def test_the_only_served_model_is_the_default():
     assert isinstance(got, ProxiedRequest) and got.model == "m" and not got.stream
 
 
-def test_an_openai_stream_asks_for_usage_without_touching_the_clients_body():
-    body = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": False}}
+@pytest.mark.parametrize("off", [False, None])  # null is its default (new-user try: the engine answered 400)
+def test_an_openai_stream_asks_for_usage_without_touching_the_clients_body(off):
+    body = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": off}}
     got = parse(body)
     assert isinstance(got, ProxiedRequest) and got.strip_usage and got.stream
     assert json.loads(got.content)["stream_options"] == {"include_usage": True}
-    assert got.body["stream_options"] == {"include_usage": False}  # what the extractor reads is the client's
+    assert got.body["stream_options"] == {"include_usage": off}  # what the extractor reads is the client's
 
 
-@pytest.mark.parametrize("options", [{"include_usage": True}, {"include_usage": "false"}, "yes"])
+@pytest.mark.parametrize("options", [{"include_usage": True}, {"include_usage": "false"}, {"include_usage": 0}, "yes"])
 def test_stream_options_the_router_does_not_rewrite(options):
     body = {"model": "m", "prompt": "x", "stream": True, "stream_options": options}
     raw = json.dumps(body).encode()

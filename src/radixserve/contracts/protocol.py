@@ -89,6 +89,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     include_obfuscation: bool | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``"include_usage": null`` is its default, false (regression: a 400)."""
+        if isinstance(data, dict) and "include_usage" in data and data["include_usage"] is None:
+            return {k: v for k, v in data.items() if k != "include_usage"}
+        return data
+
 
 class _SamplingExtras(_Request):
     """SGLang/vLLM extra sampling keys accepted by both OpenAI endpoints (passed to the engine's SamplingParams)."""
@@ -124,7 +132,9 @@ class _SamplingExtras(_Request):
 
 
 # Request fields whose type is not nullable but whose null means the default (``_null_is_default``).
-_NULL_IS_DEFAULT = frozenset({"n", "stream", "logprobs", "echo", "ignore_eos", "skip_special_tokens", "no_stop_trim"})
+_NULL_IS_DEFAULT = frozenset(
+    {"n", "stream", "logprobs", "echo", "ignore_eos", "skip_special_tokens", "no_stop_trim", "min_tokens"}
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -126,7 +126,9 @@ def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
     so = body.get("stream_options")
     # The engine reads include_usage strictly (true / false only): a malformed stream_options, or a flag such as
     # "false" or 1, is left for the engine to refuse (400), never overwritten.
-    if not (so is None or (isinstance(so, dict) and so.get("include_usage", False) is False)):
+    # Absent, null (its default) or false: off (identity, not ==: 0 is not false to the engine).
+    off = isinstance(so, dict) and (so.get("include_usage") is None or so.get("include_usage") is False)
+    if not (so is None or off):
         return raw, False
     upstream = {**body, "stream_options": {**(so or {}), "include_usage": True}}
     # ensure_ascii: a lone surrogate (valid JSON escape, not encodable UTF-8) reaches the engine as the escape it

@@ -132,11 +132,15 @@ def _arguments_object(call: Any) -> Any:
 def check_tool_fields(message: ChatMessage, i: int) -> None:
     """OpenAI's checks of a message's tool fields (each a 400 naming the field):
 
-    * a ``role: "tool"`` message needs ``tool_call_id`` (the call it answers) and non-null ``content``;
+    * a ``role: "tool"`` message needs ``tool_call_id`` (the call it answers) and non-null ``content``; so does a
+      ``user``, ``system`` or ``developer`` message need ``content`` (regression: ``{"role": "user"}``, or a
+      misspelled ``contnet``, was rendered as an empty turn);
     * each assistant ``tool_calls`` entry needs ``function.name`` (a non-empty string) and ``function.arguments``,
       JSON text (a JSON object given as such is accepted too, as Hugging Face templates take it).
     """
     where = f"messages[{i}]"
+    if message.role in ("user", "system", "developer") and message.content is None:
+        raise InvalidRequestError(f"a message with role {message.role!r} must have content", f"{where}.content")
     if message.role == "tool":
         if message.tool_call_id is None:
             raise InvalidRequestError(

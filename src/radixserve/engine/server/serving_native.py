@@ -108,6 +108,11 @@ class NativeServing(Serving[GenerateReqInput, NativeJob]):
         default = SamplingParams().max_new_tokens if "max_new_tokens" not in raw else None
         sp.max_new_tokens = None
         sp.validate(self.ctx.engine.vocab_size)
+        # The minimum against the client's own maximum (validate saw none; regression: 5 > 3 answered 3 tokens).
+        if isinstance(requested, int) and not isinstance(requested, bool) and 0 <= requested < sp.min_new_tokens:
+            raise InvalidRequestError(
+                f"min_new_tokens ({sp.min_new_tokens}) must be at most max_new_tokens ({requested})", "min_new_tokens"
+            )
         sp.max_new_tokens = resolve_max_tokens(
             requested, default, prompt_len, self.ctx.context_length, "max_new_tokens", "input_ids"
         )
