@@ -53,8 +53,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=600.0, help="seconds of load (default 600)")
     p.add_argument("--clients", type=int, default=12, help="concurrent clients, each back to back (default 12)")
-    p.add_argument("--fault", choices=["kill", "stop", "both", "none"], default="both")
-    p.add_argument("--fault-every-s", type=float, default=60.0, help="seconds between faults (default 60)")
+    p.add_argument(
+        "--fault",
+        choices=["kill", "stop", "both", "none"],
+        default="both",
+        help="SIGKILL, SIGSTOP (then SIGCONT), both in turn (stop first), or no fault (default both)",
+    )
+    p.add_argument(
+        "--fault-every-s",
+        type=float,
+        default=60.0,
+        help="seconds between faults (default 60; the first comes after this long: a run no longer has none)",
+    )
     p.add_argument(
         "--stop-s",
         type=float,
@@ -69,7 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="an answer not finished within this many seconds is a hang (default 90: the 30 s stall bound, its "
         "probes and a generation on a loaded CPU)",
     )
-    p.add_argument("--max-clean-error-rate", type=float, default=0.01)
+    p.add_argument(
+        "--max-clean-error-rate",
+        type=float,
+        default=0.01,
+        help="clean errors over this fraction of the requests fail the soak (exit 1; default 0.01)",
+    )
     p.add_argument("--url", help="soak this running router (e.g. http://127.0.0.1:8000) instead of starting `up`")
     p.add_argument("--engines", type=int, default=2, help="engines of the stack started (default 2)")
     p.add_argument("--max-total-tokens", type=int, default=2048, help="each engine's KV pool (default 2048)")
@@ -79,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the stack's --max-request-body-bytes (default: 1 MiB for the stack started, 8 MiB with --url)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the request mix's random seed (default 0)")
     p.add_argument("--log", type=Path, help="the started stack's output (default: a temporary file)")
     return p.parse_args(argv)
 
